@@ -1,0 +1,357 @@
+//! Client of the stoker daemon.
+//!
+//! [`Client::connect`] opens a connection and checks the protocol version;
+//! [`Client::open_stream`] asks the daemon for a stream of batches and maps
+//! the stream's shared-memory ring read-only; [`Stream::next`] waits for the
+//! next batch and returns a [`Batch`]: typed views straight into the shared
+//! slot. Dropping the last clone of a batch gives its slot back to the daemon.
+//!
+//! Every call blocks the calling thread; waits for a batch can be cut short by
+//! a caller-supplied check (Python uses it to answer Ctrl-C).
+
+mod conn;
+mod mapping;
+
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use stoker_proto as proto;
+use stoker_proto::{
+    BatchLayout, DType, DatasetInfo, ErrorKind, FieldLayout, OpenStream, Request, Response,
+    StatusReport, StreamInfo,
+};
+
+use conn::Conn;
+pub use mapping::Element;
+use mapping::Mapping;
+
+/// Everything that can go wrong talking to the daemon.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// Nothing answers at the socket.
+    #[error(
+        "no stoker daemon at {path}: {source} (start one with `stoker serve`, or point \
+         $STOKER_SOCKET / socket= at the running daemon's socket)"
+    )]
+    Unavailable {
+        /// Socket path tried.
+        path: PathBuf,
+        /// Why connecting failed.
+        source: std::io::Error,
+    },
+    /// The daemon answered with an error.
+    #[error("{message}")]
+    Daemon {
+        /// Category.
+        kind: ErrorKind,
+        /// The daemon's message.
+        message: String,
+    },
+    /// The daemon sent something this client does not understand, or hung up.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// The connection failed mid-conversation.
+    #[error("connection to the stoker daemon failed: {0}")]
+    Io(#[from] std::io::Error),
+    /// The caller's interrupt check asked to stop waiting.
+    #[error("interrupted")]
+    Interrupted,
+    /// The client was created in another process (before a `fork`).
+    #[error(
+        "this stoker connection was created in process {owner} and cannot be used from forked \
+         process {current}; create the Loader inside the process that uses it"
+    )]
+    Forked {
+        /// Pid that created the connection.
+        owner: u32,
+        /// Pid trying to use it.
+        current: u32,
+    },
+}
+
+/// Result alias of this crate.
+pub type Result<T, E = ClientError> = std::result::Result<T, E>;
+
+/// How often a blocked wait wakes up to run the caller's interrupt check.
+pub const INTERRUPT_POLL: Duration = Duration::from_millis(50);
+
+/// A connection to the daemon.
+#[derive(Debug, Clone)]
+pub struct Client {
+    conn: Arc<Conn>,
+}
+
+impl Client {
+    /// Connects to the daemon at `path` and performs the version handshake.
+    pub fn connect(path: impl AsRef<Path>) -> Result<Client> {
+        let path = path.as_ref();
+        let sock = UnixStream::connect(path).map_err(|source| ClientError::Unavailable {
+            path: path.to_owned(),
+            source,
+        })?;
+        let conn = Arc::new(Conn::new(sock)?);
+        let hello = Request::Hello {
+            version: stoker_proto::PROTOCOL_VERSION,
+            client: format!("stoker-client {}", env!("CARGO_PKG_VERSION")),
+        };
+        match conn.request(&hello, &mut || false)? {
+            Response::Hello { .. } => Ok(Client { conn }),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Socket path from `$STOKER_SOCKET`, else [`stoker_proto::DEFAULT_SOCKET`].
+    pub fn default_socket() -> PathBuf {
+        std::env::var_os(stoker_proto::SOCKET_ENV)
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(stoker_proto::DEFAULT_SOCKET))
+    }
+
+    /// Opens a stream and maps its ring.
+    pub fn open_stream(&self, open: OpenStream) -> Result<Stream> {
+        let (resp, fd) = self.conn.request_with_fd(&Request::OpenStream(open))?;
+        let info = match resp {
+            Response::StreamOpened(info) => info,
+            other => return Err(unexpected(&other)),
+        };
+        let fd = fd.ok_or_else(|| {
+            ClientError::Protocol("the daemon opened a stream but sent no shared-memory fd".into())
+        })?;
+        let mapping = Mapping::new(fd, &info.layout, info.depth)?;
+        Ok(Stream {
+            conn: self.conn.clone(),
+            info,
+            mapping: Arc::new(mapping),
+        })
+    }
+
+    /// The daemon's status report.
+    pub fn status(&self) -> Result<StatusReport> {
+        match self.conn.request(&Request::Status, &mut || false)? {
+            Response::Status(report) => Ok(report),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Datasets named in the daemon's config.
+    pub fn datasets(&self) -> Result<Vec<DatasetInfo>> {
+        match self.conn.request(&Request::Datasets, &mut || false)? {
+            Response::Datasets(list) => Ok(list),
+            other => Err(unexpected(&other)),
+        }
+    }
+}
+
+fn unexpected(resp: &Response) -> ClientError {
+    match resp {
+        Response::Error { kind, message } => ClientError::Daemon {
+            kind: *kind,
+            message: message.clone(),
+        },
+        other => ClientError::Protocol(format!("unexpected reply {other:?}")),
+    }
+}
+
+/// A stream of batches from one dataset, for one rank.
+#[derive(Debug)]
+pub struct Stream {
+    conn: Arc<Conn>,
+    info: StreamInfo,
+    mapping: Arc<Mapping>,
+}
+
+impl Stream {
+    /// Stream metadata: id, sample and batch counts, layout.
+    pub fn info(&self) -> &StreamInfo {
+        &self.info
+    }
+
+    /// Address range `(start, len)` of this stream's read-only mapping.
+    pub fn mapping_range(&self) -> (usize, usize) {
+        self.mapping.range()
+    }
+
+    /// Moves the stream to `epoch`, resuming at batch `step`.
+    pub fn set_epoch(&self, epoch: u64, step: u64) -> Result<()> {
+        let req = Request::SetEpoch {
+            stream: self.info.stream,
+            epoch,
+            step,
+        };
+        match self.conn.request(&req, &mut || false)? {
+            Response::Done => Ok(()),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Waits for the next batch; `None` at the end of the epoch.
+    pub fn next(&self) -> Result<Option<Batch>> {
+        self.next_interruptible(&mut || false)
+    }
+
+    /// Like [`Stream::next`], but calls `interrupted` every [`INTERRUPT_POLL`]
+    /// while waiting and returns [`ClientError::Interrupted`] once it says so.
+    pub fn next_interruptible(
+        &self,
+        interrupted: &mut dyn FnMut() -> bool,
+    ) -> Result<Option<Batch>> {
+        let req = Request::Next {
+            stream: self.info.stream,
+        };
+        match self.conn.request(&req, interrupted)? {
+            Response::Batch(ready) => {
+                let lease = Lease {
+                    conn: self.conn.clone(),
+                    mapping: self.mapping.clone(),
+                    stream: self.info.stream,
+                    slot: ready.slot,
+                };
+                if ready.rows > self.info.layout.batch_size {
+                    return Err(ClientError::Protocol(format!(
+                        "batch of {} rows exceeds the batch size {}",
+                        ready.rows, self.info.layout.batch_size
+                    )));
+                }
+                Ok(Some(Batch {
+                    lease: Arc::new(lease),
+                    epoch: ready.epoch,
+                    step: ready.step,
+                    rows: ready.rows,
+                }))
+            }
+            Response::EndOfEpoch { .. } => Ok(None),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Closes the stream (dropping it without closing also frees it when the connection ends).
+    pub fn close(&self) -> Result<()> {
+        match self.conn.request(
+            &Request::Close {
+                stream: self.info.stream,
+            },
+            &mut || false,
+        )? {
+            Response::Done => Ok(()),
+            other => Err(unexpected(&other)),
+        }
+    }
+}
+
+/// Holds one slot; dropping it releases the slot to the daemon.
+#[derive(Debug)]
+struct Lease {
+    conn: Arc<Conn>,
+    mapping: Arc<Mapping>,
+    stream: u64,
+    slot: u32,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        // A failed release means the connection is gone, and with it every lease.
+        let _ = self.conn.send_oneway(&Request::Release {
+            stream: self.stream,
+            slot: self.slot,
+        });
+    }
+}
+
+/// One batch: per-field views of a leased slot. Cloning shares the lease.
+#[derive(Debug, Clone)]
+pub struct Batch {
+    lease: Arc<Lease>,
+    epoch: u64,
+    step: u64,
+    rows: u64,
+}
+
+impl Batch {
+    /// Epoch this batch belongs to.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Position of the batch in its epoch.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Rows (samples) in the batch.
+    pub fn rows(&self) -> u64 {
+        self.rows
+    }
+
+    /// Slot index the batch occupies.
+    pub fn slot(&self) -> u32 {
+        self.lease.slot
+    }
+
+    /// Field layouts, in declaration order.
+    pub fn layout(&self) -> &BatchLayout {
+        self.lease.mapping.layout()
+    }
+
+    /// The named field, or `None`.
+    pub fn field(&self, name: &str) -> Option<FieldView<'_>> {
+        let layout = self.layout().fields.iter().find(|f| f.name == name)?;
+        Some(self.view(layout))
+    }
+
+    /// All fields, in declaration order.
+    pub fn fields(&self) -> impl Iterator<Item = FieldView<'_>> {
+        self.layout().fields.iter().map(|f| self.view(f))
+    }
+
+    fn view<'a>(&'a self, layout: &'a FieldLayout) -> FieldView<'a> {
+        let len = (layout.sample_bytes() * self.rows) as usize;
+        let bytes = self
+            .lease
+            .mapping
+            .slot_bytes(self.lease.slot, layout.offset, len);
+        FieldView {
+            layout,
+            rows: self.rows,
+            bytes,
+        }
+    }
+}
+
+/// One field of a batch, borrowed from shared memory.
+#[derive(Debug, Clone, Copy)]
+pub struct FieldView<'a> {
+    layout: &'a FieldLayout,
+    rows: u64,
+    bytes: &'a [u8],
+}
+
+impl<'a> FieldView<'a> {
+    /// Field name.
+    pub fn name(&self) -> &'a str {
+        &self.layout.name
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.layout.dtype
+    }
+
+    /// Shape including the batch axis.
+    pub fn shape(&self) -> Vec<u64> {
+        std::iter::once(self.rows)
+            .chain(self.layout.shape.iter().copied())
+            .collect()
+    }
+
+    /// Raw native-endian bytes, C order.
+    pub fn bytes(&self) -> &'a [u8] {
+        self.bytes
+    }
+
+    /// Typed elements, or `None` when `T` is not this field's dtype.
+    pub fn as_slice<T: Element>(&self) -> Option<&'a [T]> {
+        (T::DTYPE == self.layout.dtype).then(|| mapping::cast_slice(self.bytes))
+    }
+}

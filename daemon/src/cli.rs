@@ -1,0 +1,267 @@
+//! Subcommands of the `stoker` binary: `serve` runs the daemon; `status`,
+//! `datasets` and `validate` are clients of it or offline checks.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use stoker_client::Client;
+use stoker_proto::StatusReport;
+
+use crate::config::{Config, Settings};
+
+/// stoker: a per-node daemon that serves training data through shared memory.
+#[derive(Debug, Parser)]
+#[command(name = "stoker", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the daemon.
+    Serve {
+        /// Config file (TOML); without it the documented defaults apply.
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+        /// Socket to listen on (overrides the config).
+        #[arg(long, short)]
+        socket: Option<PathBuf>,
+        /// Log level: error, warn, info, debug, trace (default $STOKER_LOG or info).
+        #[arg(long)]
+        log_level: Option<String>,
+    },
+    /// Check a config file and print what the daemon would run with.
+    Validate {
+        /// Config file.
+        file: PathBuf,
+    },
+    /// Show the running daemon's clients and streams.
+    Status {
+        #[command(flatten)]
+        target: Target,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List the datasets named in the running daemon's config.
+    Datasets {
+        #[command(flatten)]
+        target: Target,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Which daemon a client subcommand talks to.
+#[derive(Debug, clap::Args)]
+struct Target {
+    /// Daemon socket (default: $STOKER_SOCKET, else the config's, else /run/stoker/stoker.sock).
+    #[arg(long, short)]
+    socket: Option<PathBuf>,
+    /// Read the socket path from this config file.
+    #[arg(long, short)]
+    config: Option<PathBuf>,
+}
+
+impl Target {
+    fn connect(&self) -> anyhow::Result<Client> {
+        let path = match (&self.socket, &self.config) {
+            (Some(s), _) => s.clone(),
+            (None, Some(c)) => Config::load(c)?.server.socket,
+            (None, None) => Client::default_socket(),
+        };
+        Ok(Client::connect(path)?)
+    }
+}
+
+/// Runs a parsed command line.
+pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Serve {
+            config,
+            socket,
+            log_level,
+        } => serve(config.as_deref(), socket, log_level),
+        Command::Validate { file } => {
+            let settings = Config::load(&file)?.validate(&file)?;
+            println!("{} is valid", file.display());
+            println!("  socket          {}", settings.socket.display());
+            println!("  worker threads  {}", settings.worker_threads);
+            println!("  ring depth      {}", settings.ring_depth);
+            println!("  allowed roots   {:?}", settings.allowed_roots);
+            println!(
+                "  datasets        {:?}",
+                settings.datasets.keys().collect::<Vec<_>>()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Status { target, json } => {
+            let report = target.connect()?.status()?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", format_status(&report));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Datasets { target, json } => {
+            let list = target.connect()?.datasets()?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&list)?);
+            } else if list.is_empty() {
+                println!("no named datasets (add [datasets.NAME] tables to the daemon's config)");
+            } else {
+                for ds in list {
+                    let fields: Vec<String> =
+                        ds.fields.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                    println!(
+                        "{:<20} {:<6} {}  {}",
+                        ds.name,
+                        ds.format,
+                        ds.files,
+                        fields.join(" ")
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn serve(
+    config: Option<&Path>,
+    socket: Option<PathBuf>,
+    log_level: Option<String>,
+) -> anyhow::Result<ExitCode> {
+    let level = log_level
+        .or_else(|| std::env::var("STOKER_LOG").ok())
+        .unwrap_or_else(|| "info".into());
+    let level: tracing::Level = level
+        .parse()
+        .with_context(|| format!("invalid log level {level:?}"))?;
+    tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .init();
+
+    let (cfg, path) = match config {
+        Some(p) => (Config::load(p)?, p.to_owned()),
+        None => (Config::default(), PathBuf::from("<defaults>")),
+    };
+    let mut settings: Settings = cfg.validate(&path)?;
+    if let Some(s) = socket {
+        settings.socket = s;
+    }
+    let socket = settings.socket.clone();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("stoker-io")
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let listener = crate::server::bind(&socket)?;
+        let daemon = crate::server::Daemon::new(settings)?;
+        crate::server::run(daemon, listener, socket, shutdown_signal()).await
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::error!("cannot install signal handlers; stop the daemon with SIGKILL");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM"),
+        _ = int.recv() => tracing::info!("SIGINT"),
+    }
+}
+
+/// The human-readable `stoker status` table.
+pub fn format_status(r: &StatusReport) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "stoker {} (pid {}), up {}, {} worker threads",
+        r.version,
+        r.pid,
+        human_duration(r.uptime_s),
+        r.worker_threads
+    );
+    let _ = writeln!(out, "\nclients: {}", r.clients.len());
+    if !r.clients.is_empty() {
+        let _ = writeln!(
+            out,
+            "  {:>4} {:>8} {:>6} {:>7} {:>10}",
+            "id", "pid", "uid", "streams", "connected"
+        );
+        for c in &r.clients {
+            let _ = writeln!(
+                out,
+                "  {:>4} {:>8} {:>6} {:>7} {:>10}",
+                c.id,
+                c.pid,
+                c.uid,
+                c.streams,
+                human_duration(c.connected_s)
+            );
+        }
+    }
+    let _ = writeln!(out, "\nstreams: {}", r.streams.len());
+    if !r.streams.is_empty() {
+        let _ = writeln!(
+            out,
+            "  {:>4} {:>8} {:<24} {:>5} {:>5} {:>11} {:>9} {:>9} {:>8} {:>11}",
+            "id",
+            "pid",
+            "dataset",
+            "rank",
+            "epoch",
+            "step",
+            "batch/s",
+            "MB/s",
+            "wait s",
+            "ring f/l/d"
+        );
+        for s in &r.streams {
+            let dataset = if s.dataset.len() > 24 {
+                format!("…{}", &s.dataset[s.dataset.len() - 23..])
+            } else {
+                s.dataset.clone()
+            };
+            let _ = writeln!(
+                out,
+                "  {:>4} {:>8} {:<24} {:>5} {:>5} {:>11} {:>9.1} {:>9.1} {:>8.2} {:>11}",
+                s.id,
+                s.pid,
+                dataset,
+                format!("{}/{}", s.rank, s.world_size),
+                s.epoch,
+                format!("{}/{}", s.step, s.batches_per_epoch),
+                s.batches_per_s,
+                s.mb_per_s,
+                s.wait_s,
+                format!("{}/{}/{}", s.slots_filled, s.slots_leased, s.depth)
+            );
+        }
+    }
+    out
+}
+
+fn human_duration(secs: f64) -> String {
+    let s = secs as u64;
+    match s {
+        0..60 => format!("{secs:.1}s"),
+        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
+    }
+}

@@ -1,0 +1,281 @@
+//! The daemon's TOML config: the file format (`Config`, with the documented
+//! defaults) and the checked form the daemon runs with (`Settings`).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// Errors in a config file.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file cannot be read.
+    #[error("cannot read config {path}: {source}")]
+    Read {
+        /// Config path.
+        path: PathBuf,
+        /// Underlying error.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML or has unknown or mistyped keys (the message has the line).
+    #[error("invalid config {path}: {message}")]
+    Parse {
+        /// Config path.
+        path: PathBuf,
+        /// toml's message, with line and column.
+        message: String,
+    },
+    /// A value is out of range or inconsistent.
+    #[error("invalid config {path}: {message}")]
+    Invalid {
+        /// Config path.
+        path: PathBuf,
+        /// What is wrong and how to fix it.
+        message: String,
+    },
+}
+
+/// Top level of `stoker.toml`.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// `[server]`: socket and access control.
+    pub server: ServerConfig,
+    /// `[workers]`: the decode thread pool.
+    pub workers: WorkersConfig,
+    /// `[ring]`: per-stream shared-memory rings.
+    pub ring: RingConfig,
+    /// `[limits]`: ceilings checked before allocating anything.
+    pub limits: LimitsConfig,
+    /// `[datasets.NAME]`: datasets clients can open by name.
+    pub datasets: BTreeMap<String, DatasetConfig>,
+}
+
+/// `[server]` table.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Unix socket the daemon listens on.
+    pub socket: PathBuf,
+    /// Uids served besides root and the daemon's own uid.
+    pub allowed_uids: Vec<u32>,
+    /// Directories under which clients may open ad-hoc datasets
+    /// (`stoker.hdf5(...)`); empty means only named datasets are served.
+    pub allowed_roots: Vec<PathBuf>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            socket: PathBuf::from(stoker_proto::DEFAULT_SOCKET),
+            allowed_uids: Vec::new(),
+            allowed_roots: Vec::new(),
+        }
+    }
+}
+
+/// `[workers]` table.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkersConfig {
+    /// Decode threads; 0 means one per available core.
+    pub threads: usize,
+}
+
+/// `[ring]` table.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RingConfig {
+    /// Batch slots per stream: how far the daemon prefetches, plus the batches a client holds.
+    pub depth: u32,
+}
+
+impl Default for RingConfig {
+    fn default() -> Self {
+        RingConfig { depth: 4 }
+    }
+}
+
+/// `[limits]` table.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// Largest request frame accepted, in bytes.
+    pub max_message_bytes: usize,
+    /// Largest batch size a stream may ask for.
+    pub max_batch_size: u64,
+    /// Shared memory all of one client's rings may take together, in bytes.
+    pub max_ring_bytes_per_client: u64,
+    /// Streams one client connection may hold open.
+    pub max_streams_per_client: usize,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            max_message_bytes: 1 << 20,
+            max_batch_size: 1 << 16,
+            max_ring_bytes_per_client: 8 << 30,
+            max_streams_per_client: 16,
+        }
+    }
+}
+
+/// `[datasets.NAME]` table.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatasetConfig {
+    /// Source format; `"hdf5"`.
+    pub format: DatasetFormat,
+    /// Absolute glob of the files; matches are taken in sorted order.
+    pub files: String,
+    /// Field name → HDF5 dataset path inside each file.
+    pub fields: BTreeMap<String, String>,
+}
+
+/// Formats a dataset can have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DatasetFormat {
+    /// HDF5 files read through libhdf5 metadata.
+    Hdf5,
+}
+
+/// The checked configuration the daemon runs with.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Socket path.
+    pub socket: PathBuf,
+    /// Uids served besides root and the daemon's own.
+    pub allowed_uids: Vec<u32>,
+    /// Canonical roots for ad-hoc datasets.
+    pub allowed_roots: Vec<PathBuf>,
+    /// Worker threads (resolved, ≥ 1).
+    pub worker_threads: usize,
+    /// Slots per ring.
+    pub ring_depth: u32,
+    /// Limits.
+    pub limits: LimitsConfig,
+    /// Named datasets.
+    pub datasets: BTreeMap<String, DatasetConfig>,
+}
+
+impl Config {
+    /// Reads and parses `path`; unknown keys are errors naming their line.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Config::parse(&text, path)
+    }
+
+    /// Parses config text; `path` is only used in messages.
+    pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            message: e.to_string().trim_end().to_string(),
+        })
+    }
+
+    /// Checks values and resolves defaults.
+    pub fn validate(self, path: &Path) -> Result<Settings, ConfigError> {
+        let invalid = |message: String| ConfigError::Invalid {
+            path: path.to_owned(),
+            message,
+        };
+        if !(1..=1024).contains(&self.ring.depth) {
+            return Err(invalid(format!(
+                "[ring] depth = {} must be between 1 and 1024",
+                self.ring.depth
+            )));
+        }
+        if self.limits.max_batch_size == 0 {
+            return Err(invalid("[limits] max_batch_size must be at least 1".into()));
+        }
+        if self.limits.max_message_bytes < 4096
+            || self.limits.max_message_bytes > stoker_proto::MAX_FRAME_BYTES
+        {
+            return Err(invalid(format!(
+                "[limits] max_message_bytes = {} must be between 4096 and {}",
+                self.limits.max_message_bytes,
+                stoker_proto::MAX_FRAME_BYTES
+            )));
+        }
+        for (name, ds) in &self.datasets {
+            if !Path::new(&ds.files).is_absolute() {
+                return Err(invalid(format!(
+                    "[datasets.{name}] files = {:?} must be an absolute path or glob",
+                    ds.files
+                )));
+            }
+            if ds.fields.is_empty() {
+                return Err(invalid(format!(
+                    "[datasets.{name}] fields is empty; map at least one field name to an HDF5 path, \
+                     e.g. fields = {{ x = \"data\" }}"
+                )));
+            }
+        }
+        let mut allowed_roots = Vec::new();
+        for root in &self.server.allowed_roots {
+            // A root that does not exist yet cannot hold files either; keep it as written.
+            allowed_roots.push(root.canonicalize().unwrap_or_else(|_| root.clone()));
+        }
+        let worker_threads = match self.workers.threads {
+            0 => std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
+            n => n,
+        };
+        Ok(Settings {
+            socket: self.server.socket,
+            allowed_uids: self.server.allowed_uids,
+            allowed_roots,
+            worker_threads,
+            ring_depth: self.ring.depth,
+            limits: self.limits,
+            datasets: self.datasets,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_key_names_its_line() {
+        let err =
+            Config::parse("[ring]\ndepth = 4\ndeepth = 5\n", Path::new("x.toml")).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("line 3"), "{msg}");
+        assert!(msg.contains("deepth"), "{msg}");
+    }
+
+    #[test]
+    fn shipped_default_config_is_valid_and_matches_defaults() {
+        let path = Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../config/stoker.toml"
+        ));
+        let cfg = Config::load(path).unwrap();
+        assert_eq!(cfg.ring.depth, RingConfig::default().depth);
+        assert_eq!(cfg.server.socket, ServerConfig::default().socket);
+        assert_eq!(
+            cfg.limits.max_batch_size,
+            LimitsConfig::default().max_batch_size
+        );
+        cfg.validate(path).unwrap();
+    }
+
+    #[test]
+    fn relative_dataset_glob_is_rejected() {
+        let text =
+            "[datasets.a]\nformat = \"hdf5\"\nfiles = \"data/*.h5\"\nfields = { x = \"x\" }\n";
+        let err = Config::parse(text, Path::new("c.toml"))
+            .unwrap()
+            .validate(Path::new("c.toml"))
+            .unwrap_err();
+        assert!(err.to_string().contains("datasets.a"), "{err}");
+    }
+}

@@ -1,0 +1,11 @@
+//! stoker's daemon: config, HDF5 source, sampler, shared-memory rings, streams
+//! and the tokio control server, plus the CLI subcommands that talk to it.
+//! `main.rs` only parses flags and calls into this crate.
+
+pub mod cli;
+pub mod config;
+pub mod ring;
+pub mod sampler;
+pub mod server;
+pub mod source;
+pub mod stream;

@@ -1,0 +1,235 @@
+//! Shared-memory rings: one sealed memfd per stream, holding a header page and
+//! `depth` batch slots. This is the only module of the daemon that touches
+//! raw shared-memory pointers.
+//!
+//! The daemon maps the memfd read-write, then seals it with
+//! `F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL`: the size
+//! can never change (no client can truncate it and SIGBUS the daemon), and no
+//! new writable mapping or `write()` is possible, so clients that receive the
+//! fd can only map it read-only. Exclusive write access to a slot is handed out
+//! as a [`SlotWriter`]; while any writer of a slot lives, no other can be made.
+
+use std::ops::Range;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use memmap2::MmapMut;
+use rustix::fs::{MemfdFlags, SealFlags};
+use stoker_proto::{BatchLayout, RING_LAYOUT_VERSION, RING_MAGIC};
+
+/// A stream's shared-memory ring.
+#[derive(Debug)]
+pub struct Ring {
+    fd: OwnedFd,
+    map: MmapMut,
+    /// `map`'s start, taken from `&mut` once so writers never derive a
+    /// mutable pointer from a shared borrow of the mapping.
+    base: *mut u8,
+    layout: BatchLayout,
+    depth: u32,
+    /// One flag per slot: a [`SlotWriter`] for it exists.
+    claimed: Vec<AtomicBool>,
+}
+
+impl Ring {
+    /// Creates, maps and seals a ring for `depth` slots of `layout`.
+    pub fn create(name: &str, layout: &BatchLayout, depth: u32) -> std::io::Result<Arc<Ring>> {
+        let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+        rustix::fs::ftruncate(&fd, layout.ring_bytes(depth))?;
+        let file = std::fs::File::from(fd);
+        // SAFETY: the memfd is private to this process until it is sealed and
+        // sent; its size is fixed (sealed below, before any client sees it), so
+        // the mapping never outlives the file's extent.
+        let mut map = unsafe { MmapMut::map_mut(&file)? };
+        map[..8].copy_from_slice(&RING_MAGIC.to_le_bytes());
+        map[8..12].copy_from_slice(&RING_LAYOUT_VERSION.to_le_bytes());
+        map[12..16].copy_from_slice(&depth.to_le_bytes());
+        map[16..24].copy_from_slice(&layout.slot_bytes.to_le_bytes());
+        let fd = OwnedFd::from(file);
+        rustix::fs::fcntl_add_seals(
+            &fd,
+            SealFlags::SHRINK | SealFlags::GROW | SealFlags::FUTURE_WRITE | SealFlags::SEAL,
+        )?;
+        let claimed = (0..depth).map(|_| AtomicBool::new(false)).collect();
+        let base = map.as_mut_ptr();
+        Ok(Arc::new(Ring {
+            fd,
+            map,
+            base,
+            layout: layout.clone(),
+            depth,
+            claimed,
+        }))
+    }
+
+    /// The memfd, to send to the client.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Slots in the ring.
+    pub fn depth(&self) -> u32 {
+        self.depth
+    }
+
+    /// Bytes of shared memory the ring takes.
+    pub fn bytes(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    /// Exclusive write access to `rows` of `slot`, or `None` while another
+    /// writer of that slot exists.
+    pub fn writer(self: &Arc<Self>, slot: u32, rows: Range<u64>) -> Option<SlotWriter> {
+        assert!(
+            slot < self.depth && rows.end <= self.layout.batch_size,
+            "slot and rows within the ring"
+        );
+        // Acquire pairs with the Release in `Claim::drop`: the previous
+        // writer's stores happen-before this writer's.
+        let flag = &self.claimed[slot as usize];
+        flag.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .ok()?;
+        Some(SlotWriter {
+            claim: Arc::new(Claim {
+                ring: self.clone(),
+                slot,
+            }),
+            rows,
+        })
+    }
+}
+
+// SAFETY: `base` points into `map`, which lives as long as the ring; all
+// writes through it go through `SlotWriter`, whose claims keep them exclusive.
+unsafe impl Send for Ring {}
+// SAFETY: as above; shared access only reads the header fields and the flags.
+unsafe impl Sync for Ring {}
+
+/// Marks a slot claimed for as long as any of its writers lives.
+#[derive(Debug)]
+struct Claim {
+    ring: Arc<Ring>,
+    slot: u32,
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        // Release pairs with the Acquire in `Ring::writer`.
+        self.ring.claimed[self.slot as usize].store(false, Ordering::Release);
+    }
+}
+
+/// Exclusive write access to some rows of one slot.
+#[derive(Debug)]
+pub struct SlotWriter {
+    claim: Arc<Claim>,
+    rows: Range<u64>,
+}
+
+impl SlotWriter {
+    /// Rows this writer covers.
+    pub fn rows(&self) -> Range<u64> {
+        self.rows.clone()
+    }
+
+    /// Splits into writers of disjoint row ranges, about `parts` of them, each
+    /// at least `min_rows` long (except possibly the last).
+    pub fn split(self, parts: usize, min_rows: u64) -> Vec<SlotWriter> {
+        let len = self.rows.end - self.rows.start;
+        let per = len.div_ceil(parts.max(1) as u64).max(min_rows.max(1));
+        let mut out = Vec::new();
+        let mut start = self.rows.start;
+        while start < self.rows.end {
+            let end = (start + per).min(self.rows.end);
+            out.push(SlotWriter {
+                claim: self.claim.clone(),
+                rows: start..end,
+            });
+            start = end;
+        }
+        out
+    }
+
+    /// The bytes of field `field`, row `row` (which must be one of this writer's rows).
+    pub fn sample_mut(&mut self, field: usize, row: u64) -> &mut [u8] {
+        assert!(
+            self.rows.contains(&row),
+            "row {row} outside this writer's rows {:?}",
+            self.rows
+        );
+        let ring = &self.claim.ring;
+        let layout = &ring.layout.fields[field];
+        let len = layout.sample_bytes() as usize;
+        let start = ring.layout.slot_offset(self.claim.slot) + layout.offset + row * len as u64;
+        assert!(
+            start as usize + len <= ring.map.len(),
+            "layout keeps samples inside the ring"
+        );
+        // SAFETY: the range is inside the mapping (asserted above). Writers of
+        // one slot exist only while the slot's claim is held, and the writers
+        // of one claim cover disjoint rows (`split`), so no two live `&mut`
+        // slices overlap. The client maps the memfd read-only and, by
+        // protocol, reads only slots it was handed after their writers were
+        // dropped; it cannot create aliasing Rust references in this process.
+        unsafe { std::slice::from_raw_parts_mut(ring.base.add(start as usize), len) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stoker_proto::DType;
+
+    fn ring() -> Arc<Ring> {
+        let layout = BatchLayout::new(4, [("x".to_string(), DType::U32, vec![3])]);
+        Ring::create("test", &layout, 2).unwrap()
+    }
+
+    #[test]
+    fn one_writer_per_slot_until_dropped() {
+        let ring = ring();
+        let w = ring.writer(0, 0..4).unwrap();
+        assert!(ring.writer(0, 0..4).is_none());
+        assert!(ring.writer(1, 0..4).is_some());
+        let parts = w.split(3, 1);
+        assert!(ring.writer(0, 0..4).is_none());
+        drop(parts);
+        assert!(ring.writer(0, 0..4).is_some());
+    }
+
+    #[test]
+    fn split_rows_are_disjoint_and_cover() {
+        let ring = ring();
+        let parts = ring.writer(1, 0..4).unwrap().split(3, 1);
+        let rows: Vec<u64> = parts.iter().flat_map(|p| p.rows()).collect();
+        assert_eq!(rows, vec![0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn sealed_against_resizing_and_new_writable_maps() {
+        let ring = ring();
+        assert!(rustix::fs::ftruncate(ring.fd(), 1).is_err());
+        let seals = rustix::fs::fcntl_get_seals(ring.fd()).unwrap();
+        assert!(seals.contains(
+            SealFlags::FUTURE_WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL
+        ));
+        let file = std::fs::File::from(ring.fd().try_clone_to_owned().unwrap());
+        // SAFETY: test-only mapping attempt, expected to fail.
+        assert!(unsafe { MmapMut::map_mut(&file) }.is_err());
+    }
+
+    #[test]
+    fn writes_land_in_the_right_place() {
+        let ring = ring();
+        let mut w = ring.writer(1, 0..4).unwrap();
+        w.sample_mut(0, 2).copy_from_slice(&[7u8; 12]);
+        let layout = &ring.layout;
+        let at = (layout.slot_offset(1) + 2 * 12) as usize;
+        assert_eq!(&ring.map[at..at + 12], &[7u8; 12]);
+        assert_eq!(
+            u64::from_le_bytes(ring.map[..8].try_into().unwrap()),
+            RING_MAGIC
+        );
+    }
+}

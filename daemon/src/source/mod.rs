@@ -1,0 +1,109 @@
+//! Where samples come from. A source knows its sample count and field layout
+//! and writes one field of one sample straight into a destination slice.
+
+pub mod hdf5;
+
+use std::path::PathBuf;
+
+/// Errors opening a dataset or reading a sample; each names the file and field involved.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    /// The glob matches nothing.
+    #[error(
+        "no files match {pattern:?}; check the path, or that the files exist and are readable by the daemon's user"
+    )]
+    NoFiles {
+        /// The glob.
+        pattern: String,
+    },
+    /// The glob is malformed.
+    #[error("invalid glob {pattern:?}: {message}")]
+    BadGlob {
+        /// The glob.
+        pattern: String,
+        /// glob's message.
+        message: String,
+    },
+    /// A matched file lies outside the configured `allowed_roots`.
+    #[error(
+        "{path} is outside the daemon's allowed_roots {roots:?}; ask the admin to add its directory \
+         to [server] allowed_roots, or use a dataset named in the config"
+    )]
+    NotAllowed {
+        /// The file.
+        path: PathBuf,
+        /// The roots in force.
+        roots: Vec<PathBuf>,
+    },
+    /// The file cannot be opened as HDF5.
+    #[error("cannot open {path} as HDF5: {message}")]
+    Open {
+        /// The file.
+        path: PathBuf,
+        /// libhdf5's message.
+        message: String,
+    },
+    /// A field's HDF5 path is missing from a file.
+    #[error(
+        "{path} has no dataset {h5path:?} (field {field:?}); check the path with `h5ls -r {path}`"
+    )]
+    MissingField {
+        /// The file.
+        path: PathBuf,
+        /// Field name.
+        field: String,
+        /// HDF5 path.
+        h5path: String,
+    },
+    /// A field's dtype cannot be served.
+    #[error(
+        "{path}: field {field:?} ({h5path:?}) has dtype {found}; stoker serves numeric datasets only \
+         (bool, int8–int64, uint8–uint64, float16/32/64)"
+    )]
+    Dtype {
+        /// The file.
+        path: PathBuf,
+        /// Field name.
+        field: String,
+        /// HDF5 path.
+        h5path: String,
+        /// What the file has.
+        found: String,
+    },
+    /// Fields of one dataset disagree, within a file or across files.
+    #[error("{path}: field {field:?} ({h5path:?}) {message}")]
+    Inconsistent {
+        /// The file.
+        path: PathBuf,
+        /// Field name.
+        field: String,
+        /// HDF5 path.
+        h5path: String,
+        /// What disagrees with what.
+        message: String,
+    },
+    /// The dataset has no samples.
+    #[error("{pattern:?} holds no samples (every field has length 0 along the first axis)")]
+    Empty {
+        /// The glob.
+        pattern: String,
+    },
+    /// Reading a sample failed.
+    #[error(
+        "{path}: field {field:?} ({h5path:?}), sample {index} (row {row} of the file): {message}"
+    )]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Field name.
+        field: String,
+        /// HDF5 path.
+        h5path: String,
+        /// Global sample index.
+        index: u64,
+        /// Row within the file.
+        row: u64,
+        /// What failed.
+        message: String,
+    },
+}

@@ -1,0 +1,429 @@
+//! A stream: one client's pass over one dataset, for one rank. Owns the ring,
+//! schedules batch fills on the worker pool in step order as slots free up,
+//! and hands filled slots to the client strictly in step order.
+//!
+//! Slot life cycle: `Free → Filling → Ready → Leased → Free`. A fill belongs to
+//! a *generation*; `SetEpoch` and `Close` start a new one, so fills still
+//! running for the old epoch are discarded when they finish instead of being
+//! delivered. Decoding runs on the rayon worker pool, never on tokio threads.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use rayon::prelude::*;
+use stoker_proto::{BatchLayout, BatchReady, StreamStatus};
+
+use crate::ring::Ring;
+use crate::sampler::Sampler;
+use crate::source::hdf5::Hdf5Source;
+
+/// Rows below which a batch is not split further across workers.
+const MIN_ROWS_PER_TASK: u64 = 8;
+/// Window over which `stoker status` computes rates.
+const RATE_WINDOW: Duration = Duration::from_secs(5);
+
+/// Who owns a stream and what it reads.
+#[derive(Debug, Clone)]
+pub struct StreamMeta {
+    /// Stream id.
+    pub id: u64,
+    /// Owning connection.
+    pub client_id: u64,
+    /// Owning process.
+    pub pid: u32,
+    /// Dataset name or glob, for status.
+    pub dataset: String,
+    /// Rank.
+    pub rank: u64,
+    /// World size.
+    pub world_size: u64,
+}
+
+/// One open stream.
+#[derive(Debug)]
+pub struct Stream {
+    meta: StreamMeta,
+    source: Arc<Hdf5Source>,
+    sampler: Sampler,
+    ring: Arc<Ring>,
+    layout: BatchLayout,
+    pool: Arc<rayon::ThreadPool>,
+    state: Mutex<State>,
+    /// Woken whenever a slot changes state.
+    changed: tokio::sync::Notify,
+}
+
+#[derive(Debug)]
+struct State {
+    epoch: u64,
+    generation: u64,
+    next_produce: u64,
+    next_deliver: u64,
+    slots: Vec<Slot>,
+    closed: bool,
+    delivered: u64,
+    wait: Duration,
+    recent: VecDeque<(Instant, u64)>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Slot {
+    Free,
+    Filling {
+        generation: u64,
+        step: u64,
+    },
+    Ready {
+        generation: u64,
+        step: u64,
+        rows: u64,
+        error: Option<String>,
+    },
+    Leased,
+}
+
+/// What a client's `Next` gets.
+#[derive(Debug)]
+pub enum Delivery {
+    /// A filled slot, now leased.
+    Batch(BatchReady),
+    /// The epoch has no more batches.
+    EndOfEpoch(u64),
+    /// The batch could not be produced; the message names file, field and index.
+    Failed(String),
+    /// The client holds every slot, so nothing can be produced.
+    Exhausted(u32),
+    /// The stream was closed.
+    Closed,
+}
+
+impl Stream {
+    /// Creates the stream positioned at (`epoch`, `step`) and starts filling its ring.
+    pub fn start(
+        meta: StreamMeta,
+        source: Arc<Hdf5Source>,
+        sampler: Sampler,
+        ring: Arc<Ring>,
+        layout: BatchLayout,
+        pool: Arc<rayon::ThreadPool>,
+        epoch: u64,
+        step: u64,
+    ) -> Arc<Stream> {
+        let depth = ring.depth() as usize;
+        let stream = Arc::new(Stream {
+            meta,
+            source,
+            sampler,
+            ring,
+            layout,
+            pool,
+            state: Mutex::new(State {
+                epoch,
+                generation: 0,
+                next_produce: step,
+                next_deliver: step,
+                slots: vec![Slot::Free; depth],
+                closed: false,
+                delivered: 0,
+                wait: Duration::ZERO,
+                recent: VecDeque::new(),
+            }),
+            changed: tokio::sync::Notify::new(),
+        });
+        let mut st = stream.lock();
+        stream.fill(&mut st);
+        drop(st);
+        stream
+    }
+
+    /// Owner and dataset.
+    pub fn meta(&self) -> &StreamMeta {
+        &self.meta
+    }
+
+    /// The ring (its fd is sent to the client).
+    pub fn ring(&self) -> &Arc<Ring> {
+        &self.ring
+    }
+
+    /// Where fields lie in each slot.
+    pub fn layout(&self) -> &BatchLayout {
+        &self.layout
+    }
+
+    /// The sampler (batch counts).
+    pub fn sampler(&self) -> &Sampler {
+        &self.sampler
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves consistent-enough state for
+        // status and shutdown; keep serving rather than poisoning the stream.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits until the next batch (or end of epoch, or an error) is available.
+    /// Cancel-safe: nothing changes unless it returns.
+    pub async fn next(self: &Arc<Self>) -> Delivery {
+        let started = Instant::now();
+        let mut waited = false;
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(delivery) = self.poll_next(if waited { Some(started) } else { None }) {
+                return delivery;
+            }
+            waited = true;
+            notified.await;
+        }
+    }
+
+    fn poll_next(self: &Arc<Self>, waiting_since: Option<Instant>) -> Option<Delivery> {
+        let mut st = self.lock();
+        if st.closed {
+            return Some(Delivery::Closed);
+        }
+        if st.next_deliver >= self.sampler.batches_per_epoch() {
+            return Some(Delivery::EndOfEpoch(st.epoch));
+        }
+        let (generation, step) = (st.generation, st.next_deliver);
+        let ready = st.slots.iter().position(|s| {
+            matches!(s, Slot::Ready { generation: g, step: k, .. } if *g == generation && *k == step)
+        });
+        let Some(slot) = ready else {
+            if st.slots.iter().all(|s| *s == Slot::Leased) {
+                return Some(Delivery::Exhausted(self.ring.depth()));
+            }
+            return None;
+        };
+        let Slot::Ready { rows, error, .. } = std::mem::replace(&mut st.slots[slot], Slot::Leased)
+        else {
+            unreachable!("matched Ready above");
+        };
+        st.next_deliver += 1;
+        if let Some(since) = waiting_since {
+            st.wait += since.elapsed();
+        }
+        if let Some(message) = error {
+            st.slots[slot] = Slot::Free;
+            self.fill(&mut st);
+            return Some(Delivery::Failed(message));
+        }
+        let now = Instant::now();
+        st.delivered += 1;
+        let bytes = self.batch_bytes(rows);
+        st.recent.push_back((now, bytes));
+        while st
+            .recent
+            .front()
+            .is_some_and(|(t, _)| now.duration_since(*t) > RATE_WINDOW)
+        {
+            st.recent.pop_front();
+        }
+        Some(Delivery::Batch(BatchReady {
+            stream: self.meta.id,
+            epoch: st.epoch,
+            step,
+            slot: slot as u32,
+            rows,
+        }))
+    }
+
+    fn batch_bytes(&self, rows: u64) -> u64 {
+        self.layout
+            .fields
+            .iter()
+            .map(|f| f.sample_bytes() * rows)
+            .sum()
+    }
+
+    /// The client gave `slot` back. Returns false if it did not hold it.
+    pub fn release(self: &Arc<Self>, slot: u32) -> bool {
+        let mut st = self.lock();
+        match st.slots.get_mut(slot as usize) {
+            Some(s @ Slot::Leased) => {
+                *s = Slot::Free;
+                self.fill(&mut st);
+                drop(st);
+                self.changed.notify_waiters();
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Moves to `epoch`, resuming at `step`; prefetched batches of the old position are dropped.
+    pub fn set_epoch(self: &Arc<Self>, epoch: u64, step: u64) -> Result<(), String> {
+        let batches = self.sampler.batches_per_epoch();
+        if step > batches {
+            return Err(format!(
+                "step {step} is past the end of the epoch ({batches} batches per epoch for this rank)"
+            ));
+        }
+        let mut st = self.lock();
+        st.generation += 1;
+        st.epoch = epoch;
+        st.next_produce = step;
+        st.next_deliver = step;
+        for s in &mut st.slots {
+            if matches!(s, Slot::Ready { .. }) {
+                *s = Slot::Free;
+            }
+        }
+        self.fill(&mut st);
+        drop(st);
+        self.changed.notify_waiters();
+        Ok(())
+    }
+
+    /// Stops producing; running fills finish and are discarded.
+    pub fn close(&self) {
+        let mut st = self.lock();
+        st.closed = true;
+        st.generation += 1;
+        drop(st);
+        self.changed.notify_waiters();
+    }
+
+    /// Starts fills for the next steps while free slots remain.
+    fn fill(self: &Arc<Self>, st: &mut State) {
+        while !st.closed && st.next_produce < self.sampler.batches_per_epoch() {
+            let Some(slot) = st.slots.iter().position(|s| *s == Slot::Free) else {
+                return;
+            };
+            let step = st.next_produce;
+            let rows = self.sampler.rows(step);
+            let Some(writer) = self.ring.writer(slot as u32, 0..rows) else {
+                // Only reachable if a discarded fill still holds the slot; its
+                // completion frees the slot and calls fill again.
+                return;
+            };
+            st.slots[slot] = Slot::Filling {
+                generation: st.generation,
+                step,
+            };
+            st.next_produce += 1;
+            let (epoch, generation) = (st.epoch, st.generation);
+            let stream = self.clone();
+            let parts = self.pool.current_num_threads();
+            self.pool.spawn(move || {
+                let error = stream.produce(writer, parts, epoch, generation, step);
+                stream.complete(slot, generation, step, rows, error);
+            });
+        }
+    }
+
+    /// Fills one batch; runs on the worker pool. Returns the first error.
+    fn produce(
+        &self,
+        writer: crate::ring::SlotWriter,
+        parts: usize,
+        epoch: u64,
+        generation: u64,
+        step: u64,
+    ) -> Option<String> {
+        {
+            let st = self.lock();
+            if st.closed || st.generation != generation {
+                return None;
+            }
+        }
+        let perm = self.sampler.permutation(epoch);
+        let fields = self.source.fields().len();
+        let failure = Mutex::new(None::<String>);
+        writer
+            .split(parts, MIN_ROWS_PER_TASK)
+            .into_par_iter()
+            .for_each(|mut part| {
+                for row in part.rows() {
+                    let index = self.sampler.index(perm.as_ref(), step, row);
+                    for field in 0..fields {
+                        if let Err(e) = self.source.read(field, index, part.sample_mut(field, row))
+                        {
+                            tracing::warn!(stream = self.meta.id, error = %e, "batch failed");
+                            failure
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .get_or_insert(e.to_string());
+                            return;
+                        }
+                    }
+                }
+            });
+        failure.into_inner().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn complete(
+        self: &Arc<Self>,
+        slot: usize,
+        generation: u64,
+        step: u64,
+        rows: u64,
+        error: Option<String>,
+    ) {
+        let mut st = self.lock();
+        let current = st.generation == generation && !st.closed;
+        st.slots[slot] = if current {
+            Slot::Ready {
+                generation,
+                step,
+                rows,
+                error,
+            }
+        } else {
+            Slot::Free
+        };
+        if !current {
+            self.fill(&mut st);
+        }
+        drop(st);
+        self.changed.notify_waiters();
+    }
+
+    /// Status line for `stoker status`.
+    pub fn status(&self) -> StreamStatus {
+        let st = self.lock();
+        let now = Instant::now();
+        let (count, bytes) = st
+            .recent
+            .iter()
+            .filter(|(t, _)| now.duration_since(*t) <= RATE_WINDOW)
+            .fold((0u64, 0u64), |(c, b), (_, n)| (c + 1, b + n));
+        let span = st
+            .recent
+            .front()
+            .map_or(0.0, |(t, _)| now.duration_since(*t).as_secs_f64())
+            .max(1e-3);
+        let (batches_per_s, mb_per_s) = if count < 2 {
+            (0.0, 0.0)
+        } else {
+            (count as f64 / span, bytes as f64 / span / 1e6)
+        };
+        StreamStatus {
+            id: self.meta.id,
+            client_id: self.meta.client_id,
+            pid: self.meta.pid,
+            dataset: self.meta.dataset.clone(),
+            rank: self.meta.rank,
+            world_size: self.meta.world_size,
+            epoch: st.epoch,
+            step: st.next_deliver,
+            batches_per_epoch: self.sampler.batches_per_epoch(),
+            batches: st.delivered,
+            batches_per_s,
+            mb_per_s,
+            wait_s: st.wait.as_secs_f64(),
+            slots_filled: st
+                .slots
+                .iter()
+                .filter(
+                    |s| matches!(s, Slot::Ready { generation, .. } if *generation == st.generation),
+                )
+                .count() as u64,
+            slots_leased: st.slots.iter().filter(|s| **s == Slot::Leased).count() as u64,
+            depth: u64::from(self.ring.depth()),
+        }
+    }
+}
