@@ -1,1 +1,269 @@
-//! placeholder
+//! `stoker._native`: the Python binding of `stoker-client`.
+//!
+//! A batch arrives as a dict of numpy arrays that point straight into the
+//! stream's read-only shared-memory mapping. Every array's base object is the
+//! batch's [`Lease`]; when the last array (and the lease) is garbage-collected,
+//! the slot goes back to the daemon. Waiting for a batch releases the GIL and
+//! wakes every 50 ms to let Ctrl-C through. This module is the one place that
+//! maps client errors to Python exception classes.
+
+use std::ffi::c_int;
+
+use numpy::npyffi::{self, NPY_TYPES, PY_ARRAY_API, npy_intp};
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use stoker_client::proto::{DType, DatasetRef, ErrorKind, OpenStream};
+use stoker_client::{Batch, Client, ClientError, Stream};
+
+create_exception!(_native, StokerError, PyException, "Base class of every stoker error.");
+create_exception!(_native, DaemonUnavailable, StokerError, "No stoker daemon answers at the socket.");
+create_exception!(_native, DatasetError, StokerError, "The dataset cannot be opened or a sample cannot be read.");
+create_exception!(_native, ProtocolError, StokerError, "Client and daemon disagree (versions, messages, state).");
+create_exception!(_native, LimitError, StokerError, "A configured limit of the daemon would be exceeded.");
+create_exception!(_native, AccessDenied, StokerError, "The daemon does not serve this user or path.");
+
+/// The single mapping from client errors to Python exceptions.
+fn to_py(py: Python<'_>, err: ClientError) -> PyErr {
+    match err {
+        ClientError::Unavailable { .. } => DaemonUnavailable::new_err(err.to_string()),
+        ClientError::Daemon { kind, message } => match kind {
+            ErrorKind::Dataset | ErrorKind::NotFound => DatasetError::new_err(message),
+            ErrorKind::Limit | ErrorKind::RingExhausted => LimitError::new_err(message),
+            ErrorKind::PermissionDenied => AccessDenied::new_err(message),
+            ErrorKind::ShuttingDown => DaemonUnavailable::new_err(message),
+            ErrorKind::Version | ErrorKind::Protocol | ErrorKind::Internal => ProtocolError::new_err(message),
+        },
+        ClientError::Interrupted => match PyErr::take(py) {
+            Some(e) => e,
+            None => pyo3::exceptions::PyKeyboardInterrupt::new_err(()),
+        },
+        ClientError::Forked { .. } | ClientError::Protocol(_) | ClientError::Io(_) => {
+            ProtocolError::new_err(err.to_string())
+        }
+    }
+}
+
+/// Holds one batch's slot; the base object of every array of the batch.
+#[pyclass(frozen, module = "stoker._native")]
+struct Lease {
+    batch: Batch,
+}
+
+#[pymethods]
+impl Lease {
+    /// Epoch of the batch.
+    #[getter]
+    fn epoch(&self) -> u64 {
+        self.batch.epoch()
+    }
+    /// Position of the batch in its epoch.
+    #[getter]
+    fn step(&self) -> u64 {
+        self.batch.step()
+    }
+    /// Samples in the batch.
+    #[getter]
+    fn rows(&self) -> u64 {
+        self.batch.rows()
+    }
+    /// Ring slot the batch occupies.
+    #[getter]
+    fn slot(&self) -> u32 {
+        self.batch.slot()
+    }
+}
+
+/// A stream of batches (use `stoker.Loader`, which wraps this).
+#[pyclass(frozen, module = "stoker._native")]
+struct NativeStream {
+    stream: Stream,
+    /// Interned field names, in layout order.
+    names: Vec<Py<PyString>>,
+}
+
+fn typenum(dtype: DType) -> c_int {
+    let t = match dtype {
+        DType::Bool => NPY_TYPES::NPY_BOOL,
+        DType::U8 => NPY_TYPES::NPY_UBYTE,
+        DType::U16 => NPY_TYPES::NPY_USHORT,
+        DType::U32 => NPY_TYPES::NPY_UINT,
+        DType::U64 => NPY_TYPES::NPY_ULONGLONG,
+        DType::I8 => NPY_TYPES::NPY_BYTE,
+        DType::I16 => NPY_TYPES::NPY_SHORT,
+        DType::I32 => NPY_TYPES::NPY_INT,
+        DType::I64 => NPY_TYPES::NPY_LONGLONG,
+        DType::F16 => NPY_TYPES::NPY_HALF,
+        DType::F32 => NPY_TYPES::NPY_FLOAT,
+        DType::F64 => NPY_TYPES::NPY_DOUBLE,
+    };
+    t as c_int
+}
+
+/// Extracts `("name", NAME)` or `("hdf5", GLOB, [(field, path), ...])`.
+fn dataset_ref(spec: &Bound<'_, PyTuple>) -> PyResult<DatasetRef> {
+    let kind: String = spec.get_item(0)?.extract()?;
+    match kind.as_str() {
+        "name" => Ok(DatasetRef::Named(spec.get_item(1)?.extract()?)),
+        "hdf5" => Ok(DatasetRef::Hdf5 { files: spec.get_item(1)?.extract()?, fields: spec.get_item(2)?.extract()? }),
+        other => Err(pyo3::exceptions::PyValueError::new_err(format!("unknown dataset kind {other:?}"))),
+    }
+}
+
+#[pymethods]
+impl NativeStream {
+    /// Connects to the daemon at `socket` and opens a stream.
+    #[new]
+    #[pyo3(signature = (socket, dataset, batch_size, shuffle, seed, drop_last, rank, world_size, epoch, step))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        socket: std::path::PathBuf,
+        dataset: &Bound<'_, PyTuple>,
+        batch_size: u64,
+        shuffle: bool,
+        seed: u64,
+        drop_last: bool,
+        rank: u64,
+        world_size: u64,
+        epoch: u64,
+        step: u64,
+    ) -> PyResult<NativeStream> {
+        let open = OpenStream {
+            dataset: dataset_ref(dataset)?,
+            batch_size,
+            shuffle,
+            seed,
+            drop_last,
+            rank,
+            world_size,
+            epoch,
+            step,
+        };
+        let stream = py
+            .detach(|| Client::connect(&socket).and_then(|c| c.open_stream(open)))
+            .map_err(|e| to_py(py, e))?;
+        let names = stream.info().layout.fields.iter().map(|f| PyString::intern(py, &f.name).unbind()).collect();
+        Ok(NativeStream { stream, names })
+    }
+
+    /// Dict with `stream`, `samples_per_rank`, `batches_per_epoch`, `depth`, `fields`.
+    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let info = self.stream.info();
+        let d = PyDict::new(py);
+        d.set_item("stream", info.stream)?;
+        d.set_item("samples_per_rank", info.num_samples)?;
+        d.set_item("batches_per_epoch", info.batches_per_epoch)?;
+        d.set_item("depth", info.depth)?;
+        let fields = PyList::empty(py);
+        for f in &info.layout.fields {
+            fields.append((f.name.as_str(), f.dtype.numpy_name(), f.shape.clone()))?;
+        }
+        d.set_item("fields", fields)?;
+        Ok(d)
+    }
+
+    /// `(address, length)` of the read-only shared-memory mapping.
+    fn mapping_range(&self) -> (usize, usize) {
+        self.stream.mapping_range()
+    }
+
+    /// Repositions the stream at (`epoch`, `step`).
+    fn set_epoch(&self, py: Python<'_>, epoch: u64, step: u64) -> PyResult<()> {
+        py.detach(|| self.stream.set_epoch(epoch, step)).map_err(|e| to_py(py, e))
+    }
+
+    /// The next batch as a dict of read-only arrays, or `None` at the end of the epoch.
+    fn next<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let mut pending: Option<PyErr> = None;
+        let got = py.detach(|| {
+            self.stream.next_interruptible(&mut || {
+                Python::attach(|py| match py.check_signals() {
+                    Ok(()) => false,
+                    Err(e) => {
+                        pending = Some(e);
+                        true
+                    }
+                })
+            })
+        });
+        let batch = match got {
+            Ok(Some(batch)) => batch,
+            Ok(None) => return Ok(None),
+            Err(ClientError::Interrupted) => {
+                return Err(pending.unwrap_or_else(|| pyo3::exceptions::PyKeyboardInterrupt::new_err(())));
+            }
+            Err(e) => return Err(to_py(py, e)),
+        };
+        let views: Vec<_> = batch.fields().map(|f| (f.dtype(), f.shape(), f.bytes().as_ptr())).collect();
+        let lease = Bound::new(py, Lease { batch })?;
+        let out = PyDict::new(py);
+        for ((dtype, shape, ptr), name) in views.into_iter().zip(&self.names) {
+            let array = readonly_array(py, &lease, dtype, &shape, ptr)?;
+            out.set_item(name.bind(py), array)?;
+        }
+        Ok(Some(out))
+    }
+
+    /// Closes the stream.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.stream.close()).map_err(|e| to_py(py, e))
+    }
+}
+
+/// A read-only C-contiguous array over `ptr` whose base object is `lease`.
+fn readonly_array<'py>(
+    py: Python<'py>,
+    lease: &Bound<'py, Lease>,
+    dtype: DType,
+    shape: &[u64],
+    ptr: *const u8,
+) -> PyResult<Bound<'py, PyAny>> {
+    let mut dims: Vec<npy_intp> = shape.iter().map(|&d| d as npy_intp).collect();
+    // SAFETY: `ptr` points at `prod(shape) * dtype.size()` bytes of the
+    // stream's mapping (FieldView::bytes), 64-byte aligned by the layout. The
+    // mapping lives as long as the lease (the Batch holds an Arc of it), and the
+    // lease becomes the array's base below, so the memory outlives the array.
+    // Flags omit NPY_ARRAY_WRITEABLE: the mapping is read-only (PROT_READ) and
+    // numpy must refuse writes instead of faulting. `PyArray_DescrFromType`
+    // returns a new reference that `PyArray_NewFromDescr` steals;
+    // `PyArray_SetBaseObject` steals the lease reference we pass it.
+    unsafe {
+        let descr = PY_ARRAY_API.PyArray_DescrFromType(py, typenum(dtype));
+        let array = PY_ARRAY_API.PyArray_NewFromDescr(
+            py,
+            npyffi::get_type_object(py, npyffi::NpyTypes::PyArray_Type),
+            descr,
+            dims.len() as c_int,
+            dims.as_mut_ptr(),
+            std::ptr::null_mut(),
+            ptr.cast_mut().cast(),
+            npyffi::NPY_ARRAY_C_CONTIGUOUS | npyffi::NPY_ARRAY_ALIGNED,
+            std::ptr::null_mut(),
+        );
+        let array = Bound::from_owned_ptr_or_err(py, array)?;
+        let base = lease.clone().into_any().into_ptr();
+        if PY_ARRAY_API.PyArray_SetBaseObject(py, array.as_ptr().cast(), base) < 0 {
+            return Err(PyErr::fetch(py));
+        }
+        Ok(array)
+    }
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<NativeStream>()?;
+    m.add_class::<Lease>()?;
+    m.add("StokerError", py.get_type::<StokerError>())?;
+    m.add("DaemonUnavailable", py.get_type::<DaemonUnavailable>())?;
+    m.add("DatasetError", py.get_type::<DatasetError>())?;
+    m.add("ProtocolError", py.get_type::<ProtocolError>())?;
+    m.add("LimitError", py.get_type::<LimitError>())?;
+    m.add("AccessDenied", py.get_type::<AccessDenied>())?;
+    m.add("DEFAULT_SOCKET", stoker_client::proto::DEFAULT_SOCKET)?;
+    m.add("SOCKET_ENV", stoker_client::proto::SOCKET_ENV)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

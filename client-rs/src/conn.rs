@@ -40,12 +40,7 @@ impl Conn {
         let writer = sock.try_clone()?;
         Ok(Conn {
             owner_pid: std::process::id(),
-            reader: Mutex::new(Reader {
-                sock,
-                buf: Vec::new(),
-                fds: VecDeque::new(),
-                owed: 0,
-            }),
+            reader: Mutex::new(Reader { sock, buf: Vec::new(), fds: VecDeque::new(), owed: 0 }),
             writer: Mutex::new(writer),
         })
     }
@@ -53,10 +48,7 @@ impl Conn {
     fn check_pid(&self) -> Result<()> {
         let current = std::process::id();
         if current != self.owner_pid {
-            return Err(ClientError::Forked {
-                owner: self.owner_pid,
-                current,
-            });
+            return Err(ClientError::Forked { owner: self.owner_pid, current });
         }
         Ok(())
     }
@@ -68,19 +60,14 @@ impl Conn {
     }
 
     fn send(&self, req: &Request) -> Result<()> {
-        let frame =
-            stoker_proto::encode_frame(req).map_err(|e| ClientError::Protocol(e.to_string()))?;
+        let frame = stoker_proto::encode_frame(req).map_err(|e| ClientError::Protocol(e.to_string()))?;
         let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
         w.write_all(&frame)?;
         Ok(())
     }
 
     /// Sends `req` and waits for its reply.
-    pub(crate) fn request(
-        &self,
-        req: &Request,
-        interrupted: &mut dyn FnMut() -> bool,
-    ) -> Result<Response> {
+    pub(crate) fn request(&self, req: &Request, interrupted: &mut dyn FnMut() -> bool) -> Result<Response> {
         Ok(self.request_inner(req, interrupted)?.0)
     }
 
@@ -101,10 +88,7 @@ impl Conn {
             reader.owed -= 1;
             reader.fds.clear();
             if let Response::Batch(b) = stale {
-                self.send(&Request::Release {
-                    stream: b.stream,
-                    slot: b.slot,
-                })?;
+                self.send(&Request::Release { stream: b.stream, slot: b.slot })?;
             }
         }
         self.send(req)?;

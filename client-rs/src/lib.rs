@@ -19,8 +19,7 @@ use std::time::Duration;
 
 pub use stoker_proto as proto;
 use stoker_proto::{
-    BatchLayout, DType, DatasetInfo, ErrorKind, FieldLayout, OpenStream, Request, Response,
-    StatusReport, StreamInfo,
+    BatchLayout, DType, DatasetInfo, ErrorKind, FieldLayout, OpenStream, Request, Response, StatusReport, StreamInfo,
 };
 
 use conn::Conn;
@@ -87,10 +86,8 @@ impl Client {
     /// Connects to the daemon at `path` and performs the version handshake.
     pub fn connect(path: impl AsRef<Path>) -> Result<Client> {
         let path = path.as_ref();
-        let sock = UnixStream::connect(path).map_err(|source| ClientError::Unavailable {
-            path: path.to_owned(),
-            source,
-        })?;
+        let sock =
+            UnixStream::connect(path).map_err(|source| ClientError::Unavailable { path: path.to_owned(), source })?;
         let conn = Arc::new(Conn::new(sock)?);
         let hello = Request::Hello {
             version: stoker_proto::PROTOCOL_VERSION,
@@ -116,15 +113,10 @@ impl Client {
             Response::StreamOpened(info) => info,
             other => return Err(unexpected(&other)),
         };
-        let fd = fd.ok_or_else(|| {
-            ClientError::Protocol("the daemon opened a stream but sent no shared-memory fd".into())
-        })?;
+        let fd =
+            fd.ok_or_else(|| ClientError::Protocol("the daemon opened a stream but sent no shared-memory fd".into()))?;
         let mapping = Mapping::new(fd, &info.layout, info.depth)?;
-        Ok(Stream {
-            conn: self.conn.clone(),
-            info,
-            mapping: Arc::new(mapping),
-        })
+        Ok(Stream { conn: self.conn.clone(), info, mapping: Arc::new(mapping) })
     }
 
     /// The daemon's status report.
@@ -146,10 +138,7 @@ impl Client {
 
 fn unexpected(resp: &Response) -> ClientError {
     match resp {
-        Response::Error { kind, message } => ClientError::Daemon {
-            kind: *kind,
-            message: message.clone(),
-        },
+        Response::Error { kind, message } => ClientError::Daemon { kind: *kind, message: message.clone() },
         other => ClientError::Protocol(format!("unexpected reply {other:?}")),
     }
 }
@@ -175,11 +164,7 @@ impl Stream {
 
     /// Moves the stream to `epoch`, resuming at batch `step`.
     pub fn set_epoch(&self, epoch: u64, step: u64) -> Result<()> {
-        let req = Request::SetEpoch {
-            stream: self.info.stream,
-            epoch,
-            step,
-        };
+        let req = Request::SetEpoch { stream: self.info.stream, epoch, step };
         match self.conn.request(&req, &mut || false)? {
             Response::Done => Ok(()),
             other => Err(unexpected(&other)),
@@ -193,13 +178,8 @@ impl Stream {
 
     /// Like [`Stream::next`], but calls `interrupted` every [`INTERRUPT_POLL`]
     /// while waiting and returns [`ClientError::Interrupted`] once it says so.
-    pub fn next_interruptible(
-        &self,
-        interrupted: &mut dyn FnMut() -> bool,
-    ) -> Result<Option<Batch>> {
-        let req = Request::Next {
-            stream: self.info.stream,
-        };
+    pub fn next_interruptible(&self, interrupted: &mut dyn FnMut() -> bool) -> Result<Option<Batch>> {
+        let req = Request::Next { stream: self.info.stream };
         match self.conn.request(&req, interrupted)? {
             Response::Batch(ready) => {
                 let lease = Lease {
@@ -214,12 +194,7 @@ impl Stream {
                         ready.rows, self.info.layout.batch_size
                     )));
                 }
-                Ok(Some(Batch {
-                    lease: Arc::new(lease),
-                    epoch: ready.epoch,
-                    step: ready.step,
-                    rows: ready.rows,
-                }))
+                Ok(Some(Batch { lease: Arc::new(lease), epoch: ready.epoch, step: ready.step, rows: ready.rows }))
             }
             Response::EndOfEpoch { .. } => Ok(None),
             other => Err(unexpected(&other)),
@@ -228,12 +203,7 @@ impl Stream {
 
     /// Closes the stream (dropping it without closing also frees it when the connection ends).
     pub fn close(&self) -> Result<()> {
-        match self.conn.request(
-            &Request::Close {
-                stream: self.info.stream,
-            },
-            &mut || false,
-        )? {
+        match self.conn.request(&Request::Close { stream: self.info.stream }, &mut || false)? {
             Response::Done => Ok(()),
             other => Err(unexpected(&other)),
         }
@@ -252,10 +222,7 @@ struct Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         // A failed release means the connection is gone, and with it every lease.
-        let _ = self.conn.send_oneway(&Request::Release {
-            stream: self.stream,
-            slot: self.slot,
-        });
+        let _ = self.conn.send_oneway(&Request::Release { stream: self.stream, slot: self.slot });
     }
 }
 
@@ -307,15 +274,8 @@ impl Batch {
 
     fn view<'a>(&'a self, layout: &'a FieldLayout) -> FieldView<'a> {
         let len = (layout.sample_bytes() * self.rows) as usize;
-        let bytes = self
-            .lease
-            .mapping
-            .slot_bytes(self.lease.slot, layout.offset, len);
-        FieldView {
-            layout,
-            rows: self.rows,
-            bytes,
-        }
+        let bytes = self.lease.mapping.slot_bytes(self.lease.slot, layout.offset, len);
+        FieldView { layout, rows: self.rows, bytes }
     }
 }
 
@@ -340,9 +300,7 @@ impl<'a> FieldView<'a> {
 
     /// Shape including the batch axis.
     pub fn shape(&self) -> Vec<u64> {
-        std::iter::once(self.rows)
-            .chain(self.layout.shape.iter().copied())
-            .collect()
+        std::iter::once(self.rows).chain(self.layout.shape.iter().copied()).collect()
     }
 
     /// Raw native-endian bytes, C order.

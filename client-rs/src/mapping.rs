@@ -21,9 +21,7 @@ impl Mapping {
         let want = layout.ring_bytes(depth);
         let have = file.metadata()?.len();
         if have < want {
-            return Err(ClientError::Protocol(format!(
-                "shared-memory ring is {have} bytes, the layout needs {want}"
-            )));
+            return Err(ClientError::Protocol(format!("shared-memory ring is {have} bytes, the layout needs {want}")));
         }
         // SAFETY: the daemon sealed the memfd against shrinking (F_SEAL_SHRINK),
         // so the mapping can never extend past the end of the file (no SIGBUS).
@@ -39,10 +37,7 @@ impl Mapping {
                  {RING_MAGIC:#x} version {RING_LAYOUT_VERSION} (client and daemon versions differ)"
             )));
         }
-        Ok(Mapping {
-            map,
-            layout: layout.clone(),
-        })
+        Ok(Mapping { map, layout: layout.clone() })
     }
 
     pub(crate) fn layout(&self) -> &BatchLayout {
@@ -84,8 +79,7 @@ element!(u8 => U8, u16 => U16, u32 => U32, u64 => U64, i8 => I8, i16 => I16, i32
 pub(crate) fn cast_slice<T: Element>(bytes: &[u8]) -> &[T] {
     let size = std::mem::size_of::<T>();
     assert!(
-        (bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>())
-            && bytes.len().is_multiple_of(size),
+        (bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()) && bytes.len().is_multiple_of(size),
         "field bytes are not aligned for their dtype; the daemon's layout keeps every field 64-byte aligned"
     );
     // SAFETY: alignment and length were checked above; every bit pattern is a

@@ -81,11 +81,7 @@ impl Target {
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Serve {
-            config,
-            socket,
-            log_level,
-        } => serve(config.as_deref(), socket, log_level),
+        Command::Serve { config, socket, log_level } => serve(config.as_deref(), socket, log_level),
         Command::Validate { file } => {
             let settings = Config::load(&file)?.validate(&file)?;
             println!("{} is valid", file.display());
@@ -93,10 +89,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("  worker threads  {}", settings.worker_threads);
             println!("  ring depth      {}", settings.ring_depth);
             println!("  allowed roots   {:?}", settings.allowed_roots);
-            println!(
-                "  datasets        {:?}",
-                settings.datasets.keys().collect::<Vec<_>>()
-            );
+            println!("  datasets        {:?}", settings.datasets.keys().collect::<Vec<_>>());
             Ok(ExitCode::SUCCESS)
         }
         Command::Status { target, json } => {
@@ -116,15 +109,8 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 println!("no named datasets (add [datasets.NAME] tables to the daemon's config)");
             } else {
                 for ds in list {
-                    let fields: Vec<String> =
-                        ds.fields.iter().map(|(k, v)| format!("{k}={v}")).collect();
-                    println!(
-                        "{:<20} {:<6} {}  {}",
-                        ds.name,
-                        ds.format,
-                        ds.files,
-                        fields.join(" ")
-                    );
+                    let fields: Vec<String> = ds.fields.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                    println!("{:<20} {:<6} {}  {}", ds.name, ds.format, ds.files, fields.join(" "));
                 }
             }
             Ok(ExitCode::SUCCESS)
@@ -132,19 +118,13 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
-fn serve(
-    config: Option<&Path>,
-    socket: Option<PathBuf>,
-    log_level: Option<String>,
-) -> anyhow::Result<ExitCode> {
-    let level = log_level
-        .or_else(|| std::env::var("STOKER_LOG").ok())
-        .unwrap_or_else(|| "info".into());
-    let level: tracing::Level = level
-        .parse()
-        .with_context(|| format!("invalid log level {level:?}"))?;
+fn serve(config: Option<&Path>, socket: Option<PathBuf>, log_level: Option<String>) -> anyhow::Result<ExitCode> {
+    let level = log_level.or_else(|| std::env::var("STOKER_LOG").ok()).unwrap_or_else(|| "info".into());
+    let level: tracing::Level = level.parse().with_context(|| format!("invalid log level {level:?}"))?;
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_max_level(level)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr)
         .init();
 
@@ -157,11 +137,8 @@ fn serve(
         settings.socket = s;
     }
     let socket = settings.socket.clone();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("stoker-io")
-        .enable_all()
-        .build()?;
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("stoker-io").enable_all().build()?;
     runtime.block_on(async {
         let listener = crate::server::bind(&socket)?;
         let daemon = crate::server::Daemon::new(settings)?;
@@ -172,10 +149,7 @@ fn serve(
 
 async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
         tracing::error!("cannot install signal handlers; stop the daemon with SIGKILL");
         return std::future::pending().await;
     };
@@ -199,11 +173,7 @@ pub fn format_status(r: &StatusReport) -> String {
     );
     let _ = writeln!(out, "\nclients: {}", r.clients.len());
     if !r.clients.is_empty() {
-        let _ = writeln!(
-            out,
-            "  {:>4} {:>8} {:>6} {:>7} {:>10}",
-            "id", "pid", "uid", "streams", "connected"
-        );
+        let _ = writeln!(out, "  {:>4} {:>8} {:>6} {:>7} {:>10}", "id", "pid", "uid", "streams", "connected");
         for c in &r.clients {
             let _ = writeln!(
                 out,
@@ -221,16 +191,7 @@ pub fn format_status(r: &StatusReport) -> String {
         let _ = writeln!(
             out,
             "  {:>4} {:>8} {:<24} {:>5} {:>5} {:>11} {:>9} {:>9} {:>8} {:>11}",
-            "id",
-            "pid",
-            "dataset",
-            "rank",
-            "epoch",
-            "step",
-            "batch/s",
-            "MB/s",
-            "wait s",
-            "ring f/l/d"
+            "id", "pid", "dataset", "rank", "epoch", "step", "batch/s", "MB/s", "wait s", "ring f/l/d"
         );
         for s in &r.streams {
             let dataset = if s.dataset.len() > 24 {

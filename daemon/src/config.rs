@@ -163,39 +163,27 @@ pub struct Settings {
 impl Config {
     /// Reads and parses `path`; unknown keys are errors naming their line.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
+        let text =
+            std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
         Config::parse(&text, path)
     }
 
     /// Parses config text; `path` is only used in messages.
     pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
-        toml::from_str(text).map_err(|e| ConfigError::Parse {
-            path: path.to_owned(),
-            message: e.to_string().trim_end().to_string(),
-        })
+        toml::from_str(text)
+            .map_err(|e| ConfigError::Parse { path: path.to_owned(), message: e.to_string().trim_end().to_string() })
     }
 
     /// Checks values and resolves defaults.
     pub fn validate(self, path: &Path) -> Result<Settings, ConfigError> {
-        let invalid = |message: String| ConfigError::Invalid {
-            path: path.to_owned(),
-            message,
-        };
+        let invalid = |message: String| ConfigError::Invalid { path: path.to_owned(), message };
         if !(1..=1024).contains(&self.ring.depth) {
-            return Err(invalid(format!(
-                "[ring] depth = {} must be between 1 and 1024",
-                self.ring.depth
-            )));
+            return Err(invalid(format!("[ring] depth = {} must be between 1 and 1024", self.ring.depth)));
         }
         if self.limits.max_batch_size == 0 {
             return Err(invalid("[limits] max_batch_size must be at least 1".into()));
         }
-        if self.limits.max_message_bytes < 4096
-            || self.limits.max_message_bytes > stoker_proto::MAX_FRAME_BYTES
-        {
+        if self.limits.max_message_bytes < 4096 || self.limits.max_message_bytes > stoker_proto::MAX_FRAME_BYTES {
             return Err(invalid(format!(
                 "[limits] max_message_bytes = {} must be between 4096 and {}",
                 self.limits.max_message_bytes,
@@ -222,9 +210,7 @@ impl Config {
             allowed_roots.push(root.canonicalize().unwrap_or_else(|_| root.clone()));
         }
         let worker_threads = match self.workers.threads {
-            0 => std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1),
+            0 => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             n => n,
         };
         Ok(Settings {
@@ -245,8 +231,7 @@ mod tests {
 
     #[test]
     fn unknown_key_names_its_line() {
-        let err =
-            Config::parse("[ring]\ndepth = 4\ndeepth = 5\n", Path::new("x.toml")).unwrap_err();
+        let err = Config::parse("[ring]\ndepth = 4\ndeepth = 5\n", Path::new("x.toml")).unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains("line 3"), "{msg}");
         assert!(msg.contains("deepth"), "{msg}");
@@ -254,28 +239,18 @@ mod tests {
 
     #[test]
     fn shipped_default_config_is_valid_and_matches_defaults() {
-        let path = Path::new(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../config/stoker.toml"
-        ));
+        let path = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../config/stoker.toml"));
         let cfg = Config::load(path).unwrap();
         assert_eq!(cfg.ring.depth, RingConfig::default().depth);
         assert_eq!(cfg.server.socket, ServerConfig::default().socket);
-        assert_eq!(
-            cfg.limits.max_batch_size,
-            LimitsConfig::default().max_batch_size
-        );
+        assert_eq!(cfg.limits.max_batch_size, LimitsConfig::default().max_batch_size);
         cfg.validate(path).unwrap();
     }
 
     #[test]
     fn relative_dataset_glob_is_rejected() {
-        let text =
-            "[datasets.a]\nformat = \"hdf5\"\nfiles = \"data/*.h5\"\nfields = { x = \"x\" }\n";
-        let err = Config::parse(text, Path::new("c.toml"))
-            .unwrap()
-            .validate(Path::new("c.toml"))
-            .unwrap_err();
+        let text = "[datasets.a]\nformat = \"hdf5\"\nfiles = \"data/*.h5\"\nfields = { x = \"x\" }\n";
+        let err = Config::parse(text, Path::new("c.toml")).unwrap().validate(Path::new("c.toml")).unwrap_err();
         assert!(err.to_string().contains("datasets.a"), "{err}");
     }
 }

@@ -53,14 +53,7 @@ impl Ring {
         )?;
         let claimed = (0..depth).map(|_| AtomicBool::new(false)).collect();
         let base = map.as_mut_ptr();
-        Ok(Arc::new(Ring {
-            fd,
-            map,
-            base,
-            layout: layout.clone(),
-            depth,
-            claimed,
-        }))
+        Ok(Arc::new(Ring { fd, map, base, layout: layout.clone(), depth, claimed }))
     }
 
     /// The memfd, to send to the client.
@@ -81,22 +74,12 @@ impl Ring {
     /// Exclusive write access to `rows` of `slot`, or `None` while another
     /// writer of that slot exists.
     pub fn writer(self: &Arc<Self>, slot: u32, rows: Range<u64>) -> Option<SlotWriter> {
-        assert!(
-            slot < self.depth && rows.end <= self.layout.batch_size,
-            "slot and rows within the ring"
-        );
+        assert!(slot < self.depth && rows.end <= self.layout.batch_size, "slot and rows within the ring");
         // Acquire pairs with the Release in `Claim::drop`: the previous
         // writer's stores happen-before this writer's.
         let flag = &self.claimed[slot as usize];
-        flag.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
-            .ok()?;
-        Some(SlotWriter {
-            claim: Arc::new(Claim {
-                ring: self.clone(),
-                slot,
-            }),
-            rows,
-        })
+        flag.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).ok()?;
+        Some(SlotWriter { claim: Arc::new(Claim { ring: self.clone(), slot }), rows })
     }
 }
 
@@ -142,10 +125,7 @@ impl SlotWriter {
         let mut start = self.rows.start;
         while start < self.rows.end {
             let end = (start + per).min(self.rows.end);
-            out.push(SlotWriter {
-                claim: self.claim.clone(),
-                rows: start..end,
-            });
+            out.push(SlotWriter { claim: self.claim.clone(), rows: start..end });
             start = end;
         }
         out
@@ -153,19 +133,12 @@ impl SlotWriter {
 
     /// The bytes of field `field`, row `row` (which must be one of this writer's rows).
     pub fn sample_mut(&mut self, field: usize, row: u64) -> &mut [u8] {
-        assert!(
-            self.rows.contains(&row),
-            "row {row} outside this writer's rows {:?}",
-            self.rows
-        );
+        assert!(self.rows.contains(&row), "row {row} outside this writer's rows {:?}", self.rows);
         let ring = &self.claim.ring;
         let layout = &ring.layout.fields[field];
         let len = layout.sample_bytes() as usize;
         let start = ring.layout.slot_offset(self.claim.slot) + layout.offset + row * len as u64;
-        assert!(
-            start as usize + len <= ring.map.len(),
-            "layout keeps samples inside the ring"
-        );
+        assert!(start as usize + len <= ring.map.len(), "layout keeps samples inside the ring");
         // SAFETY: the range is inside the mapping (asserted above). Writers of
         // one slot exist only while the slot's claim is held, and the writers
         // of one claim cover disjoint rows (`split`), so no two live `&mut`
@@ -211,9 +184,7 @@ mod tests {
         let ring = ring();
         assert!(rustix::fs::ftruncate(ring.fd(), 1).is_err());
         let seals = rustix::fs::fcntl_get_seals(ring.fd()).unwrap();
-        assert!(seals.contains(
-            SealFlags::FUTURE_WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL
-        ));
+        assert!(seals.contains(SealFlags::FUTURE_WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL));
         let file = std::fs::File::from(ring.fd().try_clone_to_owned().unwrap());
         // SAFETY: test-only mapping attempt, expected to fail.
         assert!(unsafe { MmapMut::map_mut(&file) }.is_err());
@@ -227,9 +198,6 @@ mod tests {
         let layout = &ring.layout;
         let at = (layout.slot_offset(1) + 2 * 12) as usize;
         assert_eq!(&ring.map[at..at + 12], &[7u8; 12]);
-        assert_eq!(
-            u64::from_le_bytes(ring.map[..8].try_into().unwrap()),
-            RING_MAGIC
-        );
+        assert_eq!(u64::from_le_bytes(ring.map[..8].try_into().unwrap()), RING_MAGIC);
     }
 }

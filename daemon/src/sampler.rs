@@ -78,39 +78,11 @@ pub struct Sampler {
 
 impl Sampler {
     /// A sampler over `n ≥ 1` samples; `rank < world`, `batch_size ≥ 1`.
-    pub fn new(
-        n: u64,
-        rank: u64,
-        world: u64,
-        batch_size: u64,
-        shuffle: bool,
-        seed: u64,
-        drop_last: bool,
-    ) -> Sampler {
-        assert!(
-            n > 0 && world > 0 && rank < world && batch_size > 0,
-            "checked by the caller"
-        );
-        let per_rank = if drop_last {
-            n / world
-        } else {
-            n.div_ceil(world)
-        };
-        let batches = if drop_last {
-            per_rank / batch_size
-        } else {
-            per_rank.div_ceil(batch_size)
-        };
-        Sampler {
-            n,
-            rank,
-            world,
-            batch_size,
-            shuffle,
-            seed,
-            per_rank,
-            batches,
-        }
+    pub fn new(n: u64, rank: u64, world: u64, batch_size: u64, shuffle: bool, seed: u64, drop_last: bool) -> Sampler {
+        assert!(n > 0 && world > 0 && rank < world && batch_size > 0, "checked by the caller");
+        let per_rank = if drop_last { n / world } else { n.div_ceil(world) };
+        let batches = if drop_last { per_rank / batch_size } else { per_rank.div_ceil(batch_size) };
+        Sampler { n, rank, world, batch_size, shuffle, seed, per_rank, batches }
     }
 
     /// Samples this rank sees per epoch.
@@ -130,8 +102,7 @@ impl Sampler {
 
     /// The epoch's permutation, or `None` without shuffling.
     pub fn permutation(&self, epoch: u64) -> Option<Permutation> {
-        self.shuffle
-            .then(|| Permutation::new(self.n, self.seed, epoch))
+        self.shuffle.then(|| Permutation::new(self.n, self.seed, epoch))
     }
 
     /// Dataset index of row `row` of batch `step`.
@@ -165,23 +136,12 @@ mod tests {
 
     #[test]
     fn epochs_and_seeds_give_different_orders() {
-        let order = |seed, epoch| {
-            (0..1000)
-                .map(|x| Permutation::new(1000, seed, epoch).apply(x))
-                .collect::<Vec<_>>()
-        };
+        let order = |seed, epoch| (0..1000).map(|x| Permutation::new(1000, seed, epoch).apply(x)).collect::<Vec<_>>();
         assert_eq!(order(1, 0), order(1, 0));
         assert_ne!(order(1, 0), order(1, 1));
         assert_ne!(order(1, 0), order(2, 0));
-        let fixed = order(1, 0)
-            .iter()
-            .enumerate()
-            .filter(|(i, v)| *i as u64 == **v)
-            .count();
-        assert!(
-            fixed < 20,
-            "{fixed} fixed points: too close to the identity"
-        );
+        let fixed = order(1, 0).iter().enumerate().filter(|(i, v)| *i as u64 == **v).count();
+        assert!(fixed < 20, "{fixed} fixed points: too close to the identity");
     }
 
     #[test]
@@ -203,10 +163,7 @@ mod tests {
         let total: u32 = counts.iter().sum();
         assert_eq!(u64::from(total), n.div_ceil(world) * world);
         assert!(counts.iter().all(|&c| c == 1 || c == 2));
-        assert_eq!(
-            counts.iter().filter(|&&c| c == 2).count() as u64,
-            n.div_ceil(world) * world - n
-        );
+        assert_eq!(counts.iter().filter(|&&c| c == 2).count() as u64, n.div_ceil(world) * world - n);
     }
 
     #[test]

@@ -14,8 +14,8 @@ use std::time::Instant;
 
 use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
 use stoker_proto::{
-    BatchLayout, ClientStatus, DatasetInfo, DatasetRef, ErrorKind, OpenStream, Request, Response,
-    StatusReport, StreamInfo,
+    BatchLayout, ClientStatus, DatasetInfo, DatasetRef, ErrorKind, OpenStream, Request, Response, StatusReport,
+    StreamInfo,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
@@ -78,9 +78,7 @@ impl Daemon {
             .values()
             .map(|c| ClientStatus {
                 streams: streams.iter().filter(|s| s.client_id == c.id).count() as u64,
-                connected_s: connected
-                    .get(&c.id)
-                    .map_or(0.0, |t| t.elapsed().as_secs_f64()),
+                connected_s: connected.get(&c.id).map_or(0.0, |t| t.elapsed().as_secs_f64()),
                 ..c.clone()
             })
             .collect();
@@ -104,11 +102,7 @@ impl Daemon {
                     DatasetFormat::Hdf5 => "hdf5".to_string(),
                 },
                 files: ds.files.clone(),
-                fields: ds
-                    .fields
-                    .iter()
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect(),
+                fields: ds.fields.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
             })
             .collect()
     }
@@ -126,11 +120,7 @@ impl Daemon {
                         ),
                     ));
                 };
-                let fields: Vec<_> = ds
-                    .fields
-                    .iter()
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect();
+                let fields: Vec<_> = ds.fields.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
                 (name.clone(), ds.files.clone(), fields, None)
             }
             DatasetRef::Hdf5 { files, fields } => {
@@ -143,28 +133,17 @@ impl Daemon {
                     ));
                 }
                 if !Path::new(files).is_absolute() {
-                    return Err((
-                        ErrorKind::Dataset,
-                        format!("ad-hoc dataset path {files:?} must be absolute"),
-                    ));
+                    return Err((ErrorKind::Dataset, format!("ad-hoc dataset path {files:?} must be absolute")));
                 }
                 if fields.is_empty() {
-                    return Err((
-                        ErrorKind::Dataset,
-                        format!("ad-hoc dataset {files:?} has no fields"),
-                    ));
+                    return Err((ErrorKind::Dataset, format!("ad-hoc dataset {files:?} has no fields")));
                 }
                 for (i, (name, _)) in fields.iter().enumerate() {
                     if fields[..i].iter().any(|(n, _)| n == name) {
                         return Err((ErrorKind::Dataset, format!("field {name:?} is given twice")));
                     }
                 }
-                (
-                    files.clone(),
-                    files.clone(),
-                    fields.clone(),
-                    Some(self.settings.allowed_roots.as_slice()),
-                )
+                (files.clone(), files.clone(), fields.clone(), Some(self.settings.allowed_roots.as_slice()))
             }
         };
         let key = format!("{files}\0{fields:?}");
@@ -200,12 +179,10 @@ pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
                 path.display()
             );
         }
-        std::fs::remove_file(path)
-            .with_context(|| format!("cannot remove stale socket {}", path.display()))?;
+        std::fs::remove_file(path).with_context(|| format!("cannot remove stale socket {}", path.display()))?;
     }
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("cannot create socket directory {}", dir.display()))?;
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create socket directory {}", dir.display()))?;
     }
     UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))
 }
@@ -251,12 +228,7 @@ struct Connection {
     greeted: bool,
 }
 
-async fn serve_connection(
-    daemon: Arc<Daemon>,
-    sock: UnixStream,
-    id: u64,
-    mut stop: watch::Receiver<bool>,
-) {
+async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: u64, mut stop: watch::Receiver<bool>) {
     let (uid, pid) = match sock.peer_cred() {
         Ok(cred) => (cred.uid(), cred.pid().unwrap_or(0) as u32),
         Err(e) => {
@@ -265,39 +237,16 @@ async fn serve_connection(
         }
     };
     let (reader, writer) = sock.into_split();
-    let mut conn = Connection {
-        daemon: daemon.clone(),
-        id,
-        pid,
-        writer,
-        streams: HashMap::new(),
-        greeted: false,
-    };
+    let mut conn = Connection { daemon: daemon.clone(), id, pid, writer, streams: HashMap::new(), greeted: false };
     let allowed = uid == 0 || uid == daemon.own_uid || daemon.settings.allowed_uids.contains(&uid);
     if !allowed {
         tracing::warn!(uid, pid, "refused: uid not allowed");
-        let msg = format!(
-            "uid {uid} is not allowed to use this daemon; the admin can add it to [server] allowed_uids"
-        );
-        let _ = conn
-            .send(&Response::Error {
-                kind: ErrorKind::PermissionDenied,
-                message: msg,
-            })
-            .await;
+        let msg = format!("uid {uid} is not allowed to use this daemon; the admin can add it to [server] allowed_uids");
+        let _ = conn.send(&Response::Error { kind: ErrorKind::PermissionDenied, message: msg }).await;
         return;
     }
     tracing::debug!(uid, pid, "connected");
-    lock(&daemon.clients).insert(
-        id,
-        ClientStatus {
-            id,
-            pid,
-            uid,
-            streams: 0,
-            connected_s: 0.0,
-        },
-    );
+    lock(&daemon.clients).insert(id, ClientStatus { id, pid, uid, streams: 0, connected_s: 0.0 });
     lock(&daemon.connected).insert(id, Instant::now());
 
     let (tx, mut frames) = mpsc::channel(64);
@@ -359,11 +308,7 @@ async fn wait_next(stream: Option<Arc<Stream>>) -> Delivery {
     }
 }
 
-async fn read_frames(
-    mut reader: OwnedReadHalf,
-    tx: mpsc::Sender<Result<Request, String>>,
-    limit: usize,
-) {
+async fn read_frames(mut reader: OwnedReadHalf, tx: mpsc::Sender<Result<Request, String>>, limit: usize) {
     loop {
         let mut header = [0u8; stoker_proto::FRAME_HEADER_BYTES];
         if reader.read_exact(&mut header).await.is_err() {
@@ -372,9 +317,7 @@ async fn read_frames(
         let len = match stoker_proto::frame_len(header, limit) {
             Ok(len) => len,
             Err(e) => {
-                let _ = tx
-                    .send(Err(format!("{e} ([limits] max_message_bytes)")))
-                    .await;
+                let _ = tx.send(Err(format!("{e} ([limits] max_message_bytes)"))).await;
                 return;
             }
         };
@@ -382,8 +325,7 @@ async fn read_frames(
         if reader.read_exact(&mut body).await.is_err() {
             return;
         }
-        let msg = stoker_proto::decode_body(&body)
-            .map_err(|e| format!("{e}; is the client the same stoker version?"));
+        let msg = stoker_proto::decode_body(&body).map_err(|e| format!("{e}; is the client the same stoker version?"));
         let failed = msg.is_err();
         if tx.send(msg).await.is_err() || failed {
             return;
@@ -398,18 +340,13 @@ impl Connection {
     }
 
     async fn send_error(&mut self, (kind, message): (ErrorKind, String)) -> Result<(), ()> {
-        self.send(&Response::Error { kind, message })
-            .await
-            .map_err(drop)
+        self.send(&Response::Error { kind, message }).await.map_err(drop)
     }
 
     /// Handles one request. `Ok(Some(stream))` means a `Next` now waits on that stream.
     async fn handle(&mut self, req: Request) -> Result<Option<Arc<Stream>>, ()> {
         if !self.greeted && !matches!(req, Request::Hello { .. }) {
-            let err = (
-                ErrorKind::Protocol,
-                "the first message must be Hello".to_string(),
-            );
+            let err = (ErrorKind::Protocol, "the first message must be Hello".to_string());
             let _ = self.send_error(err).await;
             return Err(());
         }
@@ -448,17 +385,10 @@ impl Connection {
                 }
                 return Ok(None);
             }
-            Request::SetEpoch {
-                stream,
-                epoch,
-                step,
-            } => match self.streams.get(&stream) {
+            Request::SetEpoch { stream, epoch, step } => match self.streams.get(&stream) {
                 Some(s) => match s.set_epoch(epoch, step) {
                     Ok(()) => Response::Done,
-                    Err(message) => Response::Error {
-                        kind: ErrorKind::Protocol,
-                        message,
-                    },
+                    Err(message) => Response::Error { kind: ErrorKind::Protocol, message },
                 },
                 None => no_stream(stream),
             },
@@ -480,10 +410,7 @@ impl Connection {
         let resp = match delivery {
             Delivery::Batch(ready) => Response::Batch(ready),
             Delivery::EndOfEpoch(epoch) => Response::EndOfEpoch { stream, epoch },
-            Delivery::Failed(message) => Response::Error {
-                kind: ErrorKind::Dataset,
-                message,
-            },
+            Delivery::Failed(message) => Response::Error { kind: ErrorKind::Dataset, message },
             Delivery::Exhausted(depth) => Response::Error {
                 kind: ErrorKind::RingExhausted,
                 message: format!(
@@ -491,10 +418,7 @@ impl Connection {
                      drop references to old batches (copy what you keep), or raise [ring] depth"
                 ),
             },
-            Delivery::Closed => Response::Error {
-                kind: ErrorKind::NotFound,
-                message: "stream closed".into(),
-            },
+            Delivery::Closed => Response::Error { kind: ErrorKind::NotFound, message: "stream closed".into() },
         };
         self.send(&resp).await.map_err(drop)
     }
@@ -513,10 +437,7 @@ impl Connection {
         if open.world_size == 0 || open.rank >= open.world_size {
             return Err((
                 ErrorKind::Protocol,
-                format!(
-                    "rank {} is not below world_size {}",
-                    open.rank, open.world_size
-                ),
+                format!("rank {} is not below world_size {}", open.rank, open.world_size),
             ));
         }
         if self.streams.len() >= limits.max_streams_per_client {
@@ -545,19 +466,12 @@ impl Connection {
         if open.step > sampler.batches_per_epoch() {
             return Err((
                 ErrorKind::Protocol,
-                format!(
-                    "step {} is past the end of the epoch ({} batches)",
-                    open.step,
-                    sampler.batches_per_epoch()
-                ),
+                format!("step {} is past the end of the epoch ({} batches)", open.step, sampler.batches_per_epoch()),
             ));
         }
         let layout = BatchLayout::new(
             open.batch_size,
-            source
-                .fields()
-                .iter()
-                .map(|f| (f.name.clone(), f.dtype, f.shape.clone())),
+            source.fields().iter().map(|f| (f.name.clone(), f.dtype, f.shape.clone())),
         );
         let depth = self.daemon.settings.ring_depth;
         let held: u64 = self.streams.values().map(|s| s.ring().bytes()).sum();
@@ -573,12 +487,8 @@ impl Connection {
             ));
         }
         let id = self.daemon.id();
-        let ring = Ring::create(&format!("stoker-stream-{id}"), &layout, depth).map_err(|e| {
-            (
-                ErrorKind::Internal,
-                format!("cannot create shared memory of {want} bytes: {e}"),
-            )
-        })?;
+        let ring = Ring::create(&format!("stoker-stream-{id}"), &layout, depth)
+            .map_err(|e| (ErrorKind::Internal, format!("cannot create shared memory of {want} bytes: {e}")))?;
         let meta = StreamMeta {
             id,
             client_id: self.id,
@@ -587,16 +497,8 @@ impl Connection {
             rank: open.rank,
             world_size: open.world_size,
         };
-        let stream = Stream::start(
-            meta,
-            source,
-            sampler,
-            ring,
-            layout,
-            self.daemon.pool.clone(),
-            open.epoch,
-            open.step,
-        );
+        let stream =
+            Stream::start(meta, source, sampler, ring, layout, self.daemon.pool.clone(), open.epoch, open.step);
         self.streams.insert(id, stream.clone());
         lock(&self.daemon.streams).insert(id, stream.clone());
         tracing::info!(stream = id, dataset = %stream.meta().dataset, rank = open.rank, world = open.world_size, "stream opened");
@@ -612,16 +514,13 @@ impl Connection {
             depth: stream.ring().depth(),
             layout: stream.layout().clone(),
         };
-        let frame = stoker_proto::encode_frame(&Response::StreamOpened(info))
-            .map_err(std::io::Error::other)?;
+        let frame = stoker_proto::encode_frame(&Response::StreamOpened(info)).map_err(std::io::Error::other)?;
         let sock: &UnixStream = self.writer.as_ref();
         let fd = stream.ring().fd();
         let mut sent = 0;
         while sent < frame.len() {
             sock.writable().await?;
-            match sock.try_io(Interest::WRITABLE, || {
-                send_part(sock, &frame[sent..], (sent == 0).then_some(fd))
-            }) {
+            match sock.try_io(Interest::WRITABLE, || send_part(sock, &frame[sent..], (sent == 0).then_some(fd))) {
                 Ok(n) => sent += n,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
                 Err(e) => return Err(e),
@@ -631,11 +530,7 @@ impl Connection {
     }
 }
 
-fn send_part(
-    sock: &UnixStream,
-    bytes: &[u8],
-    fd: Option<BorrowedFd<'_>>,
-) -> std::io::Result<usize> {
+fn send_part(sock: &UnixStream, bytes: &[u8], fd: Option<BorrowedFd<'_>>) -> std::io::Result<usize> {
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut control = SendAncillaryBuffer::new(&mut space);
     let fds;
@@ -643,18 +538,10 @@ fn send_part(
         fds = [fd];
         control.push(SendAncillaryMessage::ScmRights(&fds));
     }
-    let n = rustix::net::sendmsg(
-        sock,
-        &[IoSlice::new(bytes)],
-        &mut control,
-        SendFlags::NOSIGNAL,
-    )?;
+    let n = rustix::net::sendmsg(sock, &[IoSlice::new(bytes)], &mut control, SendFlags::NOSIGNAL)?;
     Ok(n)
 }
 
 fn no_stream(stream: u64) -> Response {
-    Response::Error {
-        kind: ErrorKind::NotFound,
-        message: format!("no stream {stream} on this connection"),
-    }
+    Response::Error { kind: ErrorKind::NotFound, message: format!("no stream {stream} on this connection") }
 }

@@ -2,10 +2,13 @@
 //! schedules batch fills on the worker pool in step order as slots free up,
 //! and hands filled slots to the client strictly in step order.
 //!
-//! Slot life cycle: `Free → Filling → Ready → Leased → Free`. A fill belongs to
-//! a *generation*; `SetEpoch` and `Close` start a new one, so fills still
-//! running for the old epoch are discarded when they finish instead of being
-//! delivered. Decoding runs on the rayon worker pool, never on tokio threads.
+//! Slot life cycle: `Free → Filling → Ready → Leased → Free`. Production runs
+//! ahead across the epoch boundary into epoch + 1 (what the next `set_epoch`
+//! almost always asks for), so a new epoch starts with a full ring. A fill
+//! belongs to a *generation*; a `SetEpoch` to any other position, and `Close`,
+//! start a new one, so fills still running for the old position are discarded
+//! when they finish instead of being delivered. Decoding runs on the rayon
+//! worker pool, never on tokio threads.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -56,10 +59,13 @@ pub struct Stream {
 
 #[derive(Debug)]
 struct State {
+    /// Epoch and step of the next batch to deliver.
     epoch: u64,
-    generation: u64,
-    next_produce: u64,
     next_deliver: u64,
+    /// Epoch and step of the next batch to start filling.
+    produce_epoch: u64,
+    next_produce: u64,
+    generation: u64,
     slots: Vec<Slot>,
     closed: bool,
     delivered: u64,
@@ -70,16 +76,8 @@ struct State {
 #[derive(Debug, Clone, PartialEq)]
 enum Slot {
     Free,
-    Filling {
-        generation: u64,
-        step: u64,
-    },
-    Ready {
-        generation: u64,
-        step: u64,
-        rows: u64,
-        error: Option<String>,
-    },
+    Filling { generation: u64 },
+    Ready { generation: u64, epoch: u64, step: u64, rows: u64, error: Option<String> },
     Leased,
 }
 
@@ -120,9 +118,10 @@ impl Stream {
             pool,
             state: Mutex::new(State {
                 epoch,
-                generation: 0,
-                next_produce: step,
                 next_deliver: step,
+                produce_epoch: epoch,
+                next_produce: step,
+                generation: 0,
                 slots: vec![Slot::Free; depth],
                 closed: false,
                 delivered: 0,
@@ -186,20 +185,24 @@ impl Stream {
             return Some(Delivery::Closed);
         }
         if st.next_deliver >= self.sampler.batches_per_epoch() {
-            return Some(Delivery::EndOfEpoch(st.epoch));
+            // Production already runs ahead into the next epoch.
+            let ended = st.epoch;
+            st.epoch += 1;
+            st.next_deliver = 0;
+            return Some(Delivery::EndOfEpoch(ended));
         }
-        let (generation, step) = (st.generation, st.next_deliver);
-        let ready = st.slots.iter().position(|s| {
-            matches!(s, Slot::Ready { generation: g, step: k, .. } if *g == generation && *k == step)
-        });
+        let (generation, epoch, step) = (st.generation, st.epoch, st.next_deliver);
+        let ready = st
+            .slots
+            .iter()
+            .position(|s| matches!(s, Slot::Ready { generation: g, epoch: e, step: k, .. } if (*g, *e, *k) == (generation, epoch, step)));
         let Some(slot) = ready else {
             if st.slots.iter().all(|s| *s == Slot::Leased) {
                 return Some(Delivery::Exhausted(self.ring.depth()));
             }
             return None;
         };
-        let Slot::Ready { rows, error, .. } = std::mem::replace(&mut st.slots[slot], Slot::Leased)
-        else {
+        let Slot::Ready { rows, error, .. } = std::mem::replace(&mut st.slots[slot], Slot::Leased) else {
             unreachable!("matched Ready above");
         };
         st.next_deliver += 1;
@@ -215,28 +218,14 @@ impl Stream {
         st.delivered += 1;
         let bytes = self.batch_bytes(rows);
         st.recent.push_back((now, bytes));
-        while st
-            .recent
-            .front()
-            .is_some_and(|(t, _)| now.duration_since(*t) > RATE_WINDOW)
-        {
+        while st.recent.front().is_some_and(|(t, _)| now.duration_since(*t) > RATE_WINDOW) {
             st.recent.pop_front();
         }
-        Some(Delivery::Batch(BatchReady {
-            stream: self.meta.id,
-            epoch: st.epoch,
-            step,
-            slot: slot as u32,
-            rows,
-        }))
+        Some(Delivery::Batch(BatchReady { stream: self.meta.id, epoch, step, slot: slot as u32, rows }))
     }
 
     fn batch_bytes(&self, rows: u64) -> u64 {
-        self.layout
-            .fields
-            .iter()
-            .map(|f| f.sample_bytes() * rows)
-            .sum()
+        self.layout.fields.iter().map(|f| f.sample_bytes() * rows).sum()
     }
 
     /// The client gave `slot` back. Returns false if it did not hold it.
@@ -254,7 +243,8 @@ impl Stream {
         }
     }
 
-    /// Moves to `epoch`, resuming at `step`; prefetched batches of the old position are dropped.
+    /// Moves to `epoch`, resuming at `step`. A no-op when the stream is already
+    /// there (as after an epoch ends); otherwise prefetched batches are dropped.
     pub fn set_epoch(self: &Arc<Self>, epoch: u64, step: u64) -> Result<(), String> {
         let batches = self.sampler.batches_per_epoch();
         if step > batches {
@@ -263,10 +253,14 @@ impl Stream {
             ));
         }
         let mut st = self.lock();
+        if (st.epoch, st.next_deliver) == (epoch, step) {
+            return Ok(());
+        }
         st.generation += 1;
         st.epoch = epoch;
-        st.next_produce = step;
         st.next_deliver = step;
+        st.produce_epoch = epoch;
+        st.next_produce = step;
         for s in &mut st.slots {
             if matches!(s, Slot::Ready { .. }) {
                 *s = Slot::Free;
@@ -289,10 +283,15 @@ impl Stream {
 
     /// Starts fills for the next steps while free slots remain.
     fn fill(self: &Arc<Self>, st: &mut State) {
-        while !st.closed && st.next_produce < self.sampler.batches_per_epoch() {
+        let batches = self.sampler.batches_per_epoch();
+        while !st.closed && batches > 0 {
             let Some(slot) = st.slots.iter().position(|s| *s == Slot::Free) else {
                 return;
             };
+            if st.next_produce >= batches {
+                st.produce_epoch += 1;
+                st.next_produce = 0;
+            }
             let step = st.next_produce;
             let rows = self.sampler.rows(step);
             let Some(writer) = self.ring.writer(slot as u32, 0..rows) else {
@@ -300,17 +299,14 @@ impl Stream {
                 // completion frees the slot and calls fill again.
                 return;
             };
-            st.slots[slot] = Slot::Filling {
-                generation: st.generation,
-                step,
-            };
+            st.slots[slot] = Slot::Filling { generation: st.generation };
             st.next_produce += 1;
-            let (epoch, generation) = (st.epoch, st.generation);
+            let (epoch, generation) = (st.produce_epoch, st.generation);
             let stream = self.clone();
             let parts = self.pool.current_num_threads();
             self.pool.spawn(move || {
                 let error = stream.produce(writer, parts, epoch, generation, step);
-                stream.complete(slot, generation, step, rows, error);
+                stream.complete(slot, generation, epoch, step, rows, error);
             });
         }
     }
@@ -333,48 +329,25 @@ impl Stream {
         let perm = self.sampler.permutation(epoch);
         let fields = self.source.fields().len();
         let failure = Mutex::new(None::<String>);
-        writer
-            .split(parts, MIN_ROWS_PER_TASK)
-            .into_par_iter()
-            .for_each(|mut part| {
-                for row in part.rows() {
-                    let index = self.sampler.index(perm.as_ref(), step, row);
-                    for field in 0..fields {
-                        if let Err(e) = self.source.read(field, index, part.sample_mut(field, row))
-                        {
-                            tracing::warn!(stream = self.meta.id, error = %e, "batch failed");
-                            failure
-                                .lock()
-                                .unwrap_or_else(|e| e.into_inner())
-                                .get_or_insert(e.to_string());
-                            return;
-                        }
+        writer.split(parts, MIN_ROWS_PER_TASK).into_par_iter().for_each(|mut part| {
+            for row in part.rows() {
+                let index = self.sampler.index(perm.as_ref(), step, row);
+                for field in 0..fields {
+                    if let Err(e) = self.source.read(field, index, part.sample_mut(field, row)) {
+                        tracing::warn!(stream = self.meta.id, error = %e, "batch failed");
+                        failure.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e.to_string());
+                        return;
                     }
                 }
-            });
+            }
+        });
         failure.into_inner().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn complete(
-        self: &Arc<Self>,
-        slot: usize,
-        generation: u64,
-        step: u64,
-        rows: u64,
-        error: Option<String>,
-    ) {
+    fn complete(self: &Arc<Self>, slot: usize, generation: u64, epoch: u64, step: u64, rows: u64, error: Option<String>) {
         let mut st = self.lock();
         let current = st.generation == generation && !st.closed;
-        st.slots[slot] = if current {
-            Slot::Ready {
-                generation,
-                step,
-                rows,
-                error,
-            }
-        } else {
-            Slot::Free
-        };
+        st.slots[slot] = if current { Slot::Ready { generation, epoch, step, rows, error } } else { Slot::Free };
         if !current {
             self.fill(&mut st);
         }
@@ -391,16 +364,9 @@ impl Stream {
             .iter()
             .filter(|(t, _)| now.duration_since(*t) <= RATE_WINDOW)
             .fold((0u64, 0u64), |(c, b), (_, n)| (c + 1, b + n));
-        let span = st
-            .recent
-            .front()
-            .map_or(0.0, |(t, _)| now.duration_since(*t).as_secs_f64())
-            .max(1e-3);
-        let (batches_per_s, mb_per_s) = if count < 2 {
-            (0.0, 0.0)
-        } else {
-            (count as f64 / span, bytes as f64 / span / 1e6)
-        };
+        let span = st.recent.front().map_or(0.0, |(t, _)| now.duration_since(*t).as_secs_f64()).max(1e-3);
+        let (batches_per_s, mb_per_s) =
+            if count < 2 { (0.0, 0.0) } else { (count as f64 / span, bytes as f64 / span / 1e6) };
         StreamStatus {
             id: self.meta.id,
             client_id: self.meta.client_id,
@@ -418,9 +384,7 @@ impl Stream {
             slots_filled: st
                 .slots
                 .iter()
-                .filter(
-                    |s| matches!(s, Slot::Ready { generation, .. } if *generation == st.generation),
-                )
+                .filter(|s| matches!(s, Slot::Ready { generation, .. } if *generation == st.generation))
                 .count() as u64,
             slots_leased: st.slots.iter().filter(|s| **s == Slot::Leased).count() as u64,
             depth: u64::from(self.ring.depth()),

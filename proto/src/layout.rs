@@ -118,29 +118,17 @@ pub struct BatchLayout {
 
 impl BatchLayout {
     /// Lays out `fields` (name, dtype, sample shape) field-major for `batch_size` rows.
-    pub fn new(
-        batch_size: u64,
-        fields: impl IntoIterator<Item = (String, DType, Vec<u64>)>,
-    ) -> Self {
+    pub fn new(batch_size: u64, fields: impl IntoIterator<Item = (String, DType, Vec<u64>)>) -> Self {
         let mut offset = 0u64;
         let fields = fields
             .into_iter()
             .map(|(name, dtype, shape)| {
-                let field = FieldLayout {
-                    name,
-                    dtype,
-                    shape,
-                    offset,
-                };
+                let field = FieldLayout { name, dtype, shape, offset };
                 offset = (offset + field.sample_bytes() * batch_size).next_multiple_of(FIELD_ALIGN);
                 field
             })
             .collect();
-        BatchLayout {
-            batch_size,
-            slot_bytes: offset.max(1).next_multiple_of(SLOT_ALIGN),
-            fields,
-        }
+        BatchLayout { batch_size, slot_bytes: offset.max(1).next_multiple_of(SLOT_ALIGN), fields }
     }
 
     /// Bytes of the segment header in front of slot 0.
@@ -181,9 +169,6 @@ mod tests {
         }
         assert!(end <= layout.slot_bytes);
         assert_eq!(layout.slot_bytes % SLOT_ALIGN, 0);
-        assert_eq!(
-            layout.slot_offset(2),
-            RING_HEADER_BYTES + 2 * layout.slot_bytes
-        );
+        assert_eq!(layout.slot_offset(2), RING_HEADER_BYTES + 2 * layout.slot_bytes);
     }
 }

@@ -12,12 +12,11 @@ mod layout;
 mod message;
 
 pub use layout::{
-    BatchLayout, DType, FIELD_ALIGN, FieldLayout, RING_HEADER_BYTES, RING_LAYOUT_VERSION,
-    RING_MAGIC, SLOT_ALIGN,
+    BatchLayout, DType, FIELD_ALIGN, FieldLayout, RING_HEADER_BYTES, RING_LAYOUT_VERSION, RING_MAGIC, SLOT_ALIGN,
 };
 pub use message::{
-    BatchReady, ClientStatus, DatasetInfo, DatasetRef, ErrorKind, OpenStream, Request, Response,
-    StatusReport, StreamInfo, StreamStatus,
+    BatchReady, ClientStatus, DatasetInfo, DatasetRef, ErrorKind, OpenStream, Request, Response, StatusReport,
+    StreamInfo, StreamStatus,
 };
 
 /// Version of the wire protocol; bumped on any incompatible change.
@@ -64,10 +63,7 @@ pub fn encode_frame<T: serde::Serialize>(msg: &T) -> Result<Vec<u8>, FrameError>
     bincode::serde::encode_into_std_write(msg, &mut out, config())?;
     let len = out.len() - FRAME_HEADER_BYTES;
     if len > MAX_FRAME_BYTES {
-        return Err(FrameError::TooLarge {
-            len,
-            limit: MAX_FRAME_BYTES,
-        });
+        return Err(FrameError::TooLarge { len, limit: MAX_FRAME_BYTES });
     }
     out[..FRAME_HEADER_BYTES].copy_from_slice(&(len as u32).to_le_bytes());
     Ok(out)
@@ -77,10 +73,7 @@ pub fn encode_frame<T: serde::Serialize>(msg: &T) -> Result<Vec<u8>, FrameError>
 pub fn frame_len(header: [u8; FRAME_HEADER_BYTES], limit: usize) -> Result<usize, FrameError> {
     let len = u32::from_le_bytes(header) as usize;
     if len > limit.min(MAX_FRAME_BYTES) {
-        return Err(FrameError::TooLarge {
-            len,
-            limit: limit.min(MAX_FRAME_BYTES),
-        });
+        return Err(FrameError::TooLarge { len, limit: limit.min(MAX_FRAME_BYTES) });
     }
     Ok(len)
 }

@@ -83,10 +83,7 @@ impl Hdf5Source {
             for path in &paths {
                 let real = path.canonicalize().unwrap_or_else(|_| path.clone());
                 if !roots.iter().any(|root| real.starts_with(root)) {
-                    return Err(SourceError::NotAllowed {
-                        path: path.clone(),
-                        roots: roots.to_vec(),
-                    });
+                    return Err(SourceError::NotAllowed { path: path.clone(), roots: roots.to_vec() });
                 }
             }
         }
@@ -104,16 +101,9 @@ impl Hdf5Source {
         }
         let specs = specs.expect("at least one file");
         if *starts.last().expect("starts is never empty") == 0 {
-            return Err(SourceError::Empty {
-                pattern: pattern.to_string(),
-            });
+            return Err(SourceError::Empty { pattern: pattern.to_string() });
         }
-        Ok(Hdf5Source {
-            pattern: pattern.to_string(),
-            fields: specs,
-            files,
-            starts,
-        })
+        Ok(Hdf5Source { pattern: pattern.to_string(), fields: specs, files, starts })
     }
 
     /// The glob the dataset was opened with.
@@ -169,10 +159,7 @@ impl Hdf5Source {
 }
 
 fn expand(pattern: &str) -> Result<Vec<PathBuf>, SourceError> {
-    let bad = |message: String| SourceError::BadGlob {
-        pattern: pattern.to_string(),
-        message,
-    };
+    let bad = |message: String| SourceError::BadGlob { pattern: pattern.to_string(), message };
     let mut paths = Vec::new();
     for entry in glob::glob(pattern).map_err(|e| bad(e.to_string()))? {
         paths.push(entry.map_err(|e| bad(e.to_string()))?);
@@ -180,21 +167,13 @@ fn expand(pattern: &str) -> Result<Vec<PathBuf>, SourceError> {
     paths.retain(|p| p.is_file());
     paths.sort();
     if paths.is_empty() {
-        return Err(SourceError::NoFiles {
-            pattern: pattern.to_string(),
-        });
+        return Err(SourceError::NoFiles { pattern: pattern.to_string() });
     }
     Ok(paths)
 }
 
-fn open_file(
-    path: &Path,
-    fields: &[(String, String)],
-) -> Result<(Hdf5File, Vec<FieldSpec>, u64), SourceError> {
-    let open_err = |message: String| SourceError::Open {
-        path: path.to_owned(),
-        message,
-    };
+fn open_file(path: &Path, fields: &[(String, String)]) -> Result<(Hdf5File, Vec<FieldSpec>, u64), SourceError> {
+    let open_err = |message: String| SourceError::Open { path: path.to_owned(), message };
     let h5 = hdf5::File::open(path).map_err(|e| open_err(e.to_string()))?;
     let raw = File::open(path).map_err(|e| open_err(e.to_string()))?;
     let mut specs = Vec::with_capacity(fields.len());
@@ -214,9 +193,7 @@ fn open_file(
         })?;
         let shape: Vec<u64> = dataset.shape().iter().map(|&d| d as u64).collect();
         let Some((&len, sample_shape)) = shape.split_first() else {
-            return Err(field_err(
-                "is a scalar; a field needs a first axis to index samples by".into(),
-            ));
+            return Err(field_err("is a scalar; a field needs a first axis to index samples by".into()));
         };
         match rows {
             None => rows = Some((len, name)),
@@ -235,51 +212,25 @@ fn open_file(
             h5path: h5path.clone(),
             found,
         })?;
-        let mem_type =
-            hdf5::Datatype::from_descriptor(&descriptor).map_err(|e| field_err(e.to_string()))?;
+        let mem_type = hdf5::Datatype::from_descriptor(&descriptor).map_err(|e| field_err(e.to_string()))?;
         let swap = file_type.byte_order() == ByteOrder::BigEndian && cfg!(target_endian = "little");
-        let plain = dtype != DType::Bool
-            && matches!(
-                file_type.byte_order(),
-                ByteOrder::LittleEndian | ByteOrder::BigEndian
-            );
-        let contiguous_at = (plain && dataset.layout() == hdf5::dataset::Layout::Contiguous)
-            .then(|| dataset.offset())
-            .flatten();
+        let plain =
+            dtype != DType::Bool && matches!(file_type.byte_order(), ByteOrder::LittleEndian | ByteOrder::BigEndian);
+        let contiguous_at =
+            (plain && dataset.layout() == hdf5::dataset::Layout::Contiguous).then(|| dataset.offset()).flatten();
         if contiguous_at.is_none() {
             tracing::debug!(file = %path.display(), field = %name, layout = ?dataset.layout(), "reading through libhdf5");
         }
-        specs.push(FieldSpec {
-            name: name.clone(),
-            h5path: h5path.clone(),
-            dtype,
-            shape: sample_shape.to_vec(),
-        });
-        readers.push(FieldReader {
-            dataset,
-            mem_type,
-            contiguous_at,
-            swap,
-        });
+        specs.push(FieldSpec { name: name.clone(), h5path: h5path.clone(), dtype, shape: sample_shape.to_vec() });
+        readers.push(FieldReader { dataset, mem_type, contiguous_at, swap });
     }
     let rows = rows.map_or(0, |(len, _)| len);
-    Ok((
-        Hdf5File {
-            path: path.to_owned(),
-            _h5: h5,
-            raw,
-            fields: readers,
-        },
-        specs,
-        rows,
-    ))
+    Ok((Hdf5File { path: path.to_owned(), _h5: h5, raw, fields: readers }, specs, rows))
 }
 
 /// Maps an HDF5 file type to the dtype served, or describes what it is.
 fn classify(file_type: &hdf5::Datatype) -> Result<(DType, TypeDescriptor), String> {
-    let descriptor = file_type
-        .to_descriptor()
-        .map_err(|e| format!("unsupported ({e})"))?;
+    let descriptor = file_type.to_descriptor().map_err(|e| format!("unsupported ({e})"))?;
     let dtype = match &descriptor {
         TypeDescriptor::Boolean => DType::Bool,
         TypeDescriptor::Integer(size) => match size {
@@ -306,12 +257,8 @@ fn classify(file_type: &hdf5::Datatype) -> Result<(DType, TypeDescriptor), Strin
 
 fn describe(td: &TypeDescriptor) -> String {
     match td {
-        TypeDescriptor::FixedAscii(_) | TypeDescriptor::FixedUnicode(_) => {
-            "fixed-length string".into()
-        }
-        TypeDescriptor::VarLenAscii | TypeDescriptor::VarLenUnicode => {
-            "variable-length string".into()
-        }
+        TypeDescriptor::FixedAscii(_) | TypeDescriptor::FixedUnicode(_) => "fixed-length string".into(),
+        TypeDescriptor::VarLenAscii | TypeDescriptor::VarLenUnicode => "variable-length string".into(),
         TypeDescriptor::VarLenArray(_) => "variable-length array".into(),
         TypeDescriptor::Compound(_) => "compound".into(),
         TypeDescriptor::Enum(_) => "enum".into(),
@@ -356,12 +303,7 @@ fn swap_in_place(bytes: &mut [u8], size: usize) {
 }
 
 /// Reads one row through libhdf5 into `dst`, converting to the native type.
-fn read_hyperslab(
-    reader: &FieldReader,
-    sample_shape: &[u64],
-    row: u64,
-    dst: &mut [u8],
-) -> Result<(), String> {
+fn read_hyperslab(reader: &FieldReader, sample_shape: &[u64], row: u64, dst: &mut [u8]) -> Result<(), String> {
     use hdf5_sys::h5d::{H5Dget_space, H5Dread};
     use hdf5_sys::h5p::H5P_DEFAULT;
     use hdf5_sys::h5s::{H5S_seloper_t, H5Sclose, H5Screate_simple, H5Sselect_hyperslab};

@@ -44,9 +44,7 @@ pub enum SourceError {
         message: String,
     },
     /// A field's HDF5 path is missing from a file.
-    #[error(
-        "{path} has no dataset {h5path:?} (field {field:?}); check the path with `h5ls -r {path}`"
-    )]
+    #[error("{path} has no dataset {h5path:?} (field {field:?}); check the path with `h5ls -r {path}`")]
     MissingField {
         /// The file.
         path: PathBuf,
@@ -89,9 +87,7 @@ pub enum SourceError {
         pattern: String,
     },
     /// Reading a sample failed.
-    #[error(
-        "{path}: field {field:?} ({h5path:?}), sample {index} (row {row} of the file): {message}"
-    )]
+    #[error("{path}: field {field:?} ({h5path:?}), sample {index} (row {row} of the file): {message}")]
     Read {
         /// The file.
         path: PathBuf,

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs everything stoker needs on a fresh Debian machine and builds it:
+# libhdf5-dev (apt), a virtualenv at .venv with maturin/numpy/h5py/pytest,
+# the release `stoker` binary, and the Python client (`stoker` package).
+# Idempotent: quick when everything is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+dpkg -s libhdf5-dev >/dev/null 2>&1 || need_apt+=(libhdf5-dev)
+dpkg -s pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "==> apt-get install ${need_apt[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "==> creating .venv"
+  python3 -m venv .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check -r scripts/requirements.txt
+
+echo "==> cargo build --release (stoker binary)"
+cargo build --release --locked -p stoker-daemon
+
+echo "==> building the Python client into .venv"
+VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop --release --locked -q -m client-py/Cargo.toml
