@@ -1,1 +1,190 @@
+//! End-to-end: the real `stoker` binary serving HDF5 files written by h5py,
+//! read through `stoker-client`.
 
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use stoker_client::proto::{DatasetRef, ErrorKind, OpenStream};
+use stoker_client::{Client, ClientError};
+
+/// Python with h5py: $STOKER_PYTHON, else the repo's .venv, else python3.
+fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("STOKER_PYTHON") {
+        return p.into();
+    }
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+    if venv.exists() { venv } else { "python3".into() }
+}
+
+/// Two files (70 + 30 rows): `x` f32 [N, 3] with x[i, j] = 10 i + j, `id` big-endian u16 = i.
+fn write_files(dir: &Path) {
+    let script = r#"
+import sys, h5py, numpy as np
+d = sys.argv[1]
+start = 0
+for k, n in enumerate([70, 30]):
+    i = np.arange(start, start + n)
+    with h5py.File(f"{d}/part{k}.h5", "w") as f:
+        f["x"] = (i[:, None] * 10 + np.arange(3)[None, :]).astype("f4")
+        f.create_dataset("id", data=i, dtype=">u2", chunks=(16,), compression="gzip")
+    start += n
+"#;
+    let status = Command::new(python()).arg("-c").arg(script).arg(dir).status().expect("run python");
+    assert!(status.success(), "writing HDF5 files with h5py failed (is h5py installed? run scripts/setup.sh)");
+}
+
+struct Daemon {
+    child: Child,
+    socket: PathBuf,
+}
+
+impl Daemon {
+    fn start(dir: &Path, depth: u32) -> Daemon {
+        let socket = dir.join("stoker.sock");
+        let config = dir.join("stoker.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[server]\nallowed_roots = [{dir:?}]\n[workers]\nthreads = 2\n[ring]\ndepth = {depth}\n\
+                 [datasets.parts]\nformat = \"hdf5\"\nfiles = \"{}/part*.h5\"\nfields = {{ x = \"x\", id = \"id\" }}\n",
+                dir.display()
+            ),
+        )
+        .unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_stoker"))
+            .arg("serve")
+            .arg("--config")
+            .arg(&config)
+            .arg("--socket")
+            .arg(&socket)
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start stoker");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Client::connect(&socket).is_err() {
+            assert!(Instant::now() < deadline, "daemon did not start listening");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Daemon { child, socket }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn open(batch_size: u64, rank: u64, world_size: u64, shuffle: bool) -> OpenStream {
+    OpenStream {
+        dataset: DatasetRef::Named("parts".into()),
+        batch_size,
+        shuffle,
+        seed: 3,
+        drop_last: false,
+        rank,
+        world_size,
+        epoch: 0,
+        step: 0,
+    }
+}
+
+#[test]
+fn serves_every_sample_once_per_epoch_with_the_written_values() {
+    let dir = tempfile::tempdir().unwrap();
+    write_files(dir.path());
+    let daemon = Daemon::start(dir.path(), 3);
+    let mut seen = vec![0u32; 100];
+    let mut orders = Vec::new();
+    for rank in 0..2 {
+        let client = Client::connect(&daemon.socket).unwrap();
+        let stream = client.open_stream(open(16, rank, 2, true)).unwrap();
+        assert_eq!(stream.info().batches_per_epoch, 4); // 50 per rank, batches of 16
+        let mut order = Vec::new();
+        while let Some(batch) = stream.next().unwrap() {
+            let x = batch.field("x").unwrap();
+            let ids = batch.field("id").unwrap().as_slice::<u16>().unwrap().to_vec();
+            let xs = x.as_slice::<f32>().unwrap();
+            assert_eq!(x.shape(), vec![batch.rows(), 3]);
+            for (row, &id) in ids.iter().enumerate() {
+                let want: Vec<f32> = (0..3).map(|j| (u32::from(id) * 10 + j) as f32).collect();
+                assert_eq!(&xs[row * 3..row * 3 + 3], &want[..], "sample {id}");
+                seen[id as usize] += 1;
+            }
+            order.extend(ids);
+        }
+        orders.push(order);
+    }
+    assert!(seen.iter().all(|&c| c == 1), "each sample exactly once: {seen:?}");
+    assert_ne!(orders[0].iter().copied().collect::<Vec<_>>(), (0..50).map(|i| i * 2).collect::<Vec<u16>>());
+}
+
+#[test]
+fn holding_every_slot_is_an_error_not_a_hang_and_release_recovers() {
+    let dir = tempfile::tempdir().unwrap();
+    write_files(dir.path());
+    let daemon = Daemon::start(dir.path(), 2);
+    let client = Client::connect(&daemon.socket).unwrap();
+    let stream = client.open_stream(open(10, 0, 1, false)).unwrap();
+    let first = stream.next().unwrap().unwrap();
+    let second = stream.next().unwrap().unwrap();
+    match stream.next() {
+        Err(ClientError::Daemon { kind: ErrorKind::RingExhausted, .. }) => {}
+        other => panic!("expected RingExhausted, got {other:?}"),
+    }
+    let first_ids = first.field("id").unwrap().as_slice::<u16>().unwrap().to_vec();
+    assert_eq!(first_ids, (0..10).collect::<Vec<u16>>());
+    drop(first);
+    let third = stream.next().unwrap().unwrap();
+    assert_eq!(third.step(), 2);
+    assert_eq!(third.field("id").unwrap().as_slice::<u16>().unwrap()[0], 20);
+    drop((second, third));
+}
+
+#[test]
+fn set_epoch_resumes_mid_epoch_in_the_same_order() {
+    let dir = tempfile::tempdir().unwrap();
+    write_files(dir.path());
+    let daemon = Daemon::start(dir.path(), 4);
+    let client = Client::connect(&daemon.socket).unwrap();
+    let stream = client.open_stream(open(8, 0, 1, true)).unwrap();
+    stream.set_epoch(5, 0).unwrap();
+    let mut full = Vec::new();
+    while let Some(b) = stream.next().unwrap() {
+        full.extend_from_slice(b.field("id").unwrap().as_slice::<u16>().unwrap());
+    }
+    let resumed = client.open_stream(OpenStream { epoch: 5, step: 3, ..open(8, 0, 1, true) }).unwrap();
+    let mut tail = Vec::new();
+    while let Some(b) = resumed.next().unwrap() {
+        tail.extend_from_slice(b.field("id").unwrap().as_slice::<u16>().unwrap());
+    }
+    assert_eq!(&full[24..], &tail[..]);
+}
+
+#[test]
+fn bad_dataset_names_the_file_and_field_and_the_daemon_keeps_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    write_files(dir.path());
+    let daemon = Daemon::start(dir.path(), 2);
+    let client = Client::connect(&daemon.socket).unwrap();
+    let bad = OpenStream {
+        dataset: DatasetRef::Hdf5 {
+            files: format!("{}/part*.h5", dir.path().display()),
+            fields: vec![("y".into(), "missing/path".into())],
+        },
+        ..open(4, 0, 1, false)
+    };
+    match client.open_stream(bad) {
+        Err(ClientError::Daemon { kind: ErrorKind::Dataset, message }) => {
+            assert!(
+                message.contains("part0.h5") && message.contains("missing/path") && message.contains("\"y\""),
+                "{message}"
+            );
+        }
+        other => panic!("expected a dataset error, got {other:?}"),
+    }
+    let stream = client.open_stream(open(4, 0, 1, false)).unwrap();
+    assert!(stream.next().unwrap().is_some());
+}

@@ -141,9 +141,8 @@ impl NativeStream {
             epoch,
             step,
         };
-        let stream = py
-            .detach(|| Client::connect(&socket).and_then(|c| c.open_stream(open)))
-            .map_err(|e| to_py(py, e))?;
+        let stream =
+            py.detach(|| Client::connect(&socket).and_then(|c| c.open_stream(open))).map_err(|e| to_py(py, e))?;
         let names = stream.info().layout.fields.iter().map(|f| PyString::intern(py, &f.name).unbind()).collect();
         Ok(NativeStream { stream, names })
     }

@@ -344,7 +344,15 @@ impl Stream {
         failure.into_inner().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn complete(self: &Arc<Self>, slot: usize, generation: u64, epoch: u64, step: u64, rows: u64, error: Option<String>) {
+    fn complete(
+        self: &Arc<Self>,
+        slot: usize,
+        generation: u64,
+        epoch: u64,
+        step: u64,
+        rows: u64,
+        error: Option<String>,
+    ) {
         let mut st = self.lock();
         let current = st.generation == generation && !st.closed;
         st.slots[slot] = if current { Slot::Ready { generation, epoch, step, rows, error } } else { Slot::Free };
