@@ -2,7 +2,7 @@
 //!
 //! A batch arrives as a dict of numpy arrays that point straight into the
 //! stream's read-only shared-memory mapping. Every array's base object is the
-//! batch's [`Lease`]; when the last array (and the lease) is garbage-collected,
+//! batch's `Lease`; when the last array (and the lease) is garbage-collected,
 //! the slot goes back to the daemon. Waiting for a batch releases the GIL and
 //! wakes every 50 ms to let Ctrl-C through. This module is the one place that
 //! maps client errors to Python exception classes.

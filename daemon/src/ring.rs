@@ -61,6 +61,11 @@ impl Ring {
         self.fd.as_fd()
     }
 
+    /// Where fields lie in each slot.
+    pub fn layout(&self) -> &BatchLayout {
+        &self.layout
+    }
+
     /// Slots in the ring.
     pub fn depth(&self) -> u32 {
         self.depth

@@ -497,8 +497,7 @@ impl Connection {
             rank: open.rank,
             world_size: open.world_size,
         };
-        let stream =
-            Stream::start(meta, source, sampler, ring, layout, self.daemon.pool.clone(), open.epoch, open.step);
+        let stream = Stream::start(meta, source, sampler, ring, self.daemon.pool.clone(), open.epoch, open.step);
         self.streams.insert(id, stream.clone());
         lock(&self.daemon.streams).insert(id, stream.clone());
         tracing::info!(stream = id, dataset = %stream.meta().dataset, rank = open.rank, world = open.world_size, "stream opened");

@@ -50,7 +50,6 @@ pub struct Stream {
     source: Arc<Hdf5Source>,
     sampler: Sampler,
     ring: Arc<Ring>,
-    layout: BatchLayout,
     pool: Arc<rayon::ThreadPool>,
     state: Mutex<State>,
     /// Woken whenever a slot changes state.
@@ -103,7 +102,6 @@ impl Stream {
         source: Arc<Hdf5Source>,
         sampler: Sampler,
         ring: Arc<Ring>,
-        layout: BatchLayout,
         pool: Arc<rayon::ThreadPool>,
         epoch: u64,
         step: u64,
@@ -114,7 +112,6 @@ impl Stream {
             source,
             sampler,
             ring,
-            layout,
             pool,
             state: Mutex::new(State {
                 epoch,
@@ -148,7 +145,7 @@ impl Stream {
 
     /// Where fields lie in each slot.
     pub fn layout(&self) -> &BatchLayout {
-        &self.layout
+        self.ring.layout()
     }
 
     /// The sampler (batch counts).
@@ -225,7 +222,7 @@ impl Stream {
     }
 
     fn batch_bytes(&self, rows: u64) -> u64 {
-        self.layout.fields.iter().map(|f| f.sample_bytes() * rows).sum()
+        self.ring.layout().fields.iter().map(|f| f.sample_bytes() * rows).sum()
     }
 
     /// The client gave `slot` back. Returns false if it did not hold it.
