@@ -35,10 +35,9 @@ fn to_py(py: Python<'_>, err: ClientError) -> PyErr {
             ErrorKind::ShuttingDown => DaemonUnavailable::new_err(message),
             ErrorKind::Version | ErrorKind::Protocol | ErrorKind::Internal => ProtocolError::new_err(message),
         },
-        ClientError::Interrupted => match PyErr::take(py) {
-            Some(e) => e,
-            None => pyo3::exceptions::PyKeyboardInterrupt::new_err(()),
-        },
+        ClientError::Interrupted => {
+            PyErr::take(py).unwrap_or_else(|| pyo3::exceptions::PyKeyboardInterrupt::new_err(()))
+        }
         ClientError::Forked { .. } | ClientError::Protocol(_) | ClientError::Io(_) => {
             ProtocolError::new_err(err.to_string())
         }
@@ -170,30 +169,13 @@ impl NativeStream {
 
     /// Repositions the stream at (`epoch`, `step`).
     fn set_epoch(&self, py: Python<'_>, epoch: u64, step: u64) -> PyResult<()> {
-        py.detach(|| self.stream.set_epoch(epoch, step)).map_err(|e| to_py(py, e))
+        wait(py, |interrupted| self.stream.set_epoch_interruptible(epoch, step, interrupted))
     }
 
     /// The next batch as a dict of read-only arrays, or `None` at the end of the epoch.
     fn next<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let mut pending: Option<PyErr> = None;
-        let got = py.detach(|| {
-            self.stream.next_interruptible(&mut || {
-                Python::attach(|py| match py.check_signals() {
-                    Ok(()) => false,
-                    Err(e) => {
-                        pending = Some(e);
-                        true
-                    }
-                })
-            })
-        });
-        let batch = match got {
-            Ok(Some(batch)) => batch,
-            Ok(None) => return Ok(None),
-            Err(ClientError::Interrupted) => {
-                return Err(pending.unwrap_or_else(|| pyo3::exceptions::PyKeyboardInterrupt::new_err(())));
-            }
-            Err(e) => return Err(to_py(py, e)),
+        let Some(batch) = wait(py, |interrupted| self.stream.next_interruptible(interrupted))? else {
+            return Ok(None);
         };
         let views: Vec<_> = batch.fields().map(|f| (f.dtype(), f.shape(), f.bytes().as_ptr())).collect();
         let lease = Bound::new(py, Lease { batch })?;
@@ -208,6 +190,34 @@ impl NativeStream {
     /// Closes the stream.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| self.stream.close()).map_err(|e| to_py(py, e))
+    }
+}
+
+/// Runs a blocking client call without the GIL, letting Python signal
+/// handlers run every poll interval; a handler's exception (KeyboardInterrupt)
+/// ends the wait and is raised.
+fn wait<T: Send>(
+    py: Python<'_>,
+    call: impl Send + FnOnce(&mut dyn FnMut() -> bool) -> Result<T, ClientError>,
+) -> PyResult<T> {
+    let mut raised: Option<PyErr> = None;
+    let got = py.detach(|| {
+        call(&mut || {
+            Python::attach(|py| match py.check_signals() {
+                Ok(()) => false,
+                Err(e) => {
+                    raised = Some(e);
+                    true
+                }
+            })
+        })
+    });
+    match got {
+        Ok(v) => Ok(v),
+        Err(ClientError::Interrupted) => {
+            Err(raised.unwrap_or_else(|| pyo3::exceptions::PyKeyboardInterrupt::new_err(())))
+        }
+        Err(e) => Err(to_py(py, e)),
     }
 }
 

@@ -24,9 +24,10 @@ import pytest
 
 BATCH = 4
 
-# A training process that takes `hold` batches, keeps them, says READY and
-# then either sleeps or (block=True) asks for one more batch, which cannot
-# come while it holds every slot.
+# A training process that takes `hold` batches, keeps them and says READY;
+# then it either sleeps ("sleep"), or waits for a line on stdin and iterates
+# the rest of the epoch ("iterate"), which blocks in next() while the test
+# has the daemon stopped.
 SLOW_CLIENT = r"""
 import json, sys, time
 import stoker
@@ -36,18 +37,22 @@ loader = stoker.Loader(stoker.hdf5(a["glob"], fields=a["fields"]), batch_size=a[
 it = iter(loader)
 held = [next(it) for _ in range(a["hold"])]
 print("READY", flush=True)
-if a["block"]:
-    next(it)
+if a["mode"] == "iterate":
+    sys.stdin.readline()
+    del held
+    for batch in it:
+        pass
+    print("EPOCH DONE", flush=True)
 time.sleep(600)
 """
 
 
-def spawn_slow_client(d: Any, data: Any, hold: int, block: bool) -> subprocess.Popen[str]:
+def spawn_slow_client(d: Any, data: Any, hold: int, mode: str = "sleep") -> subprocess.Popen[str]:
     args = {"glob": data.glob, "fields": data.fields, "batch_size": BATCH, "socket": d.socket,
-            "hold": hold, "block": block}
+            "hold": hold, "mode": mode}
     p = subprocess.Popen(
         [sys.executable, "-c", SLOW_CLIENT, json.dumps(args)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     ready, _, _ = select.select([p.stdout], [], [], 60)
     line = p.stdout.readline() if ready else ""
@@ -56,6 +61,18 @@ def spawn_slow_client(d: Any, data: Any, hold: int, block: bool) -> subprocess.P
         _, err = p.communicate()
         pytest.fail(f"slow client did not get ready: {line!r}\n{err}")
     return p
+
+
+def block_in_next(d: Any, child: subprocess.Popen[str]) -> None:
+    """Stop the daemon (SIGSTOP), then let `child` iterate: once it has taken
+    the batches already in its ring, its next() waits for the daemon."""
+    d.proc.send_signal(signal.SIGSTOP)
+    child.stdin.write("go\n")
+    child.stdin.flush()
+    time.sleep(1.0)
+    assert child.poll() is None, child.communicate()
+    ready, _, _ = select.select([child.stdout], [], [], 0)
+    assert not ready, f"child finished the epoch with the daemon stopped: {child.stdout.readline()!r}"
 
 
 def streams_of(status: dict[str, Any], pid: int) -> list[dict[str, Any]]:
@@ -83,12 +100,14 @@ def assert_serves(stoker: Any, d: Any, data: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    "hold,block", [(1, False), (4, True)], ids=["holding-one-batch", "all-slots-held-blocked-in-next"]
+    "hold,mode",
+    [(1, "sleep"), (4, "sleep"), (1, "iterate")],
+    ids=["holding-one-batch", "holding-every-slot", "blocked-in-next"],
 )
-def test_sigkilled_client_is_cleaned_up(start_daemon, data, stoker, poll_until, hold, block) -> None:
+def test_sigkilled_client_is_cleaned_up(start_daemon, data, stoker, poll_until, hold, mode) -> None:
     depth = 4
     d = start_daemon(depth=depth)
-    child = spawn_slow_client(d, data, hold=hold, block=block)
+    child = spawn_slow_client(d, data, hold=hold, mode=mode)
     try:
         def child_stream() -> dict[str, Any] | None:
             s = streams_of(d.status(), child.pid)
@@ -100,9 +119,14 @@ def test_sigkilled_client_is_cleaned_up(start_daemon, data, stoker, poll_until, 
 
         # Another client is not stalled by the one that holds its slots.
         assert_serves(stoker, d, data)
+
+        if mode == "iterate":
+            # Killed while waiting for the daemon (a request in flight).
+            block_in_next(d, child)
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
+        d.proc.send_signal(signal.SIGCONT)
 
     # Right after the kill (clean-up may still be under way) a new client is served.
     loader = stoker.Loader(data.spec(stoker), batch_size=BATCH, shuffle=True, seed=0, socket=d.socket)
@@ -120,20 +144,91 @@ def test_sigkilled_client_is_cleaned_up(start_daemon, data, stoker, poll_until, 
     assert d.alive()
 
 
-def test_ctrl_c_interrupts_a_waiting_next(start_daemon, data) -> None:
-    """A process blocked in next() (every slot held) answers SIGINT with
-    KeyboardInterrupt."""
+def test_holding_every_slot_raises_instead_of_deadlocking(start_daemon, data, stoker) -> None:
+    """A process that holds every slot of its stream and asks for another
+    batch could only wait forever; it gets a StokerError instead, and can go
+    on once it drops a batch."""
+    depth = 2
+    d = start_daemon(depth=depth)
+    loader = stoker.Loader(data.spec(stoker), batch_size=BATCH, shuffle=False, socket=d.socket)
+    it = iter(loader)
+    held = [next(it) for _ in range(depth)]
+    with pytest.raises(stoker.StokerError):
+        next(it)
+    labels = [data.check_batch(b) for b in held]
+    del held
+    rest = []
+    for b in it:
+        rest.append(data.check_batch(b))
+        del b
+    assert [i for b in labels + rest for i in b] == list(range(data.n))
+    loader.close()
+
+
+def test_ctrl_c_interrupts_a_waiting_next(start_daemon, data, stoker) -> None:
+    """A process blocked in next() (the daemon is stopped) answers SIGINT
+    with KeyboardInterrupt."""
     d = start_daemon(depth=2)
-    child = spawn_slow_client(d, data, hold=2, block=True)
-    time.sleep(0.5)  # let it enter the blocking next()
-    child.send_signal(signal.SIGINT)
+    child = spawn_slow_client(d, data, hold=1, mode="iterate")
     try:
-        _, err = child.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
+        block_in_next(d, child)
+        child.send_signal(signal.SIGINT)
+        try:
+            _, err = child.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+            pytest.fail("next() did not answer SIGINT within 30 s")
+        assert "KeyboardInterrupt" in err, err
+    finally:
         child.kill()
-        child.communicate()
-        pytest.fail("next() did not answer SIGINT within 30 s")
-    assert "KeyboardInterrupt" in err, err
+        d.proc.send_signal(signal.SIGCONT)
+    assert d.alive()
+    assert_serves(stoker, d, data)
+
+
+FORK_CLIENT = r"""
+import json, os, sys
+import stoker
+a = json.loads(sys.argv[1])
+loader = stoker.Loader(stoker.hdf5(a["glob"], fields=a["fields"]), batch_size=4,
+                       shuffle=False, rank=0, world_size=1, socket=a["socket"])
+it = iter(loader)
+first = next(it)
+pid = os.fork()
+if pid == 0:
+    try:
+        b = next(it)
+        print("child got a batch", b["label"].tolist(), flush=True)
+    except stoker.StokerError as e:
+        print("child StokerError:", e, flush=True)
+    except BaseException as e:
+        print("child wrong exception:", type(e).__qualname__, e, flush=True)
+        os._exit(2)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+# The parent's loader is unaffected.
+del first
+labels = [i for b in it for i in b["label"].tolist()]
+assert labels == list(range(4, a["n"])), labels
+print("parent ok", flush=True)
+"""
+
+
+def test_forked_child_fails_clearly_or_works(start_daemon, data) -> None:
+    """(STYLE.md) A loader used in a forked child raises a StokerError or
+    works; it never hangs, and the parent's loader is unaffected."""
+    d = start_daemon()
+    args = {"glob": data.glob, "fields": data.fields, "socket": d.socket, "n": data.n}
+    try:
+        res = subprocess.run(
+            [sys.executable, "-c", FORK_CLIENT, json.dumps(args)], capture_output=True, text=True, timeout=60
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"hung after fork: {e.stdout!r} {e.stderr!r}")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "parent ok" in res.stdout, res.stdout
     assert d.alive()
 
 
@@ -242,7 +337,8 @@ def test_adhoc_dataset_outside_allowed_roots(start_daemon, data, tmp_path, stoke
     d = start_daemon(allowed_roots=[allowed], datasets={"train": data})
     with pytest.raises(stoker.StokerError) as info:
         stoker.Loader(stoker.hdf5(glob, fields=data.fields), batch_size=BATCH, socket=d.socket)
-    assert glob in str(info.value) or str(data.root) in str(info.value), str(info.value)
+    msg = str(info.value)
+    assert os.path.dirname(glob) in msg or str(data.root) in msg, msg
     # Named datasets are the operator's choice, not limited to allowed roots.
     loader = stoker.Loader("train", batch_size=BATCH, socket=d.socket)
     assert sorted(epoch_indices(loader, data)) == list(range(data.n))

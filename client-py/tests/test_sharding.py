@@ -65,6 +65,16 @@ def check_epoch_cover(results: list[dict[str, Any]], epoch: int, n: int, drop_la
         assert len(batches) == nb, f"rank {r}: {len(batches)} batches in epoch {epoch}, expected {nb}"
         check_batch_shapes(batches, per_rank, BATCH, drop_last)
         counts.update(flat(batches))
+    # Put the ranks' samples back at their positions r + world * k of the
+    # global order: the first N positions are a permutation of all indices and
+    # the padding repeats the start of that order.
+    order: list[int | None] = [None] * (world * per_rank)
+    for r, res in enumerate(results):
+        for k, i in enumerate(flat(res["epochs"][str(epoch)])):
+            order[r + world * k] = i
+    if not drop_last:
+        assert sorted(order[:n]) == list(range(n)), "first N positions are not a permutation"
+        assert order[n:] == order[: total - n], f"padding {order[n:]} does not repeat {order[: total - n]}"
     if drop_last:
         assert max(counts.values()) == 1, f"duplicates with drop_last: {[i for i, c in counts.items() if c > 1]}"
         assert sum(counts.values()) == world * nb * BATCH
@@ -233,6 +243,14 @@ def test_state_dict_resume(start_daemon, data, stoker) -> None:
     resumed.load_state_dict(state)
     assert [labels(b) for b in resumed] == reference[2:]
     resumed.close()
+
+    # The state is plain data: it resumes on another daemon too (after a
+    # restart of the daemon, or on another node).
+    other = start_daemon(datasets={"train": data})
+    moved = stoker.Loader("train", **{**kwargs, "socket": other.socket})
+    moved.load_state_dict(dict(state))
+    assert [labels(b) for b in moved] == reference[2:]
+    moved.close()
 
 
 def test_reiterate_same_loader(start_daemon, data, stoker) -> None:

@@ -125,12 +125,13 @@ def test_held_batch_keeps_its_slot(start_daemon, data, stoker) -> None:
         for name, arr in held.items():
             assert_inside(arr, start, length, name)
             assert arr.tobytes() == saved[name].tobytes(), f"held {name} changed"
-        del batch
+        del batch, arr
     with pytest.raises(StopIteration):
         next(it)
 
     for name, arr in held.items():
         assert arr.tobytes() == saved[name].tobytes(), f"held {name} changed"
+    del arr
     assert view.tobytes() == saved_view.tobytes()
     data.check_batch(held)
     assert sorted(i for b in labels for i in b) == list(range(data.n))

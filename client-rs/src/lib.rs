@@ -164,8 +164,13 @@ impl Stream {
 
     /// Moves the stream to `epoch`, resuming at batch `step`.
     pub fn set_epoch(&self, epoch: u64, step: u64) -> Result<()> {
+        self.set_epoch_interruptible(epoch, step, &mut || false)
+    }
+
+    /// Like [`Stream::set_epoch`], with an interrupt check as in [`Stream::next_interruptible`].
+    pub fn set_epoch_interruptible(&self, epoch: u64, step: u64, interrupted: &mut dyn FnMut() -> bool) -> Result<()> {
         let req = Request::SetEpoch { stream: self.info.stream, epoch, step };
-        match self.conn.request(&req, &mut || false)? {
+        match self.conn.request(&req, interrupted)? {
             Response::Done => Ok(()),
             other => Err(unexpected(&other)),
         }

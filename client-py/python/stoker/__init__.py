@@ -157,9 +157,16 @@ class Loader:
         return {n: (np.dtype(d), tuple(s)) for n, d, s in self._info["fields"]}
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose permutation the next iteration follows (as ``DistributedSampler.set_epoch``)."""
-        self._epoch = int(epoch)
-        self._resume = None
+        """Select the epoch whose permutation the next iteration follows (as ``DistributedSampler.set_epoch``).
+
+        After :meth:`load_state_dict`, setting the saved epoch keeps the saved
+        step, so the usual ``for epoch in range(start, n): set_epoch(epoch)``
+        loop resumes mid-epoch.
+        """
+        epoch = int(epoch)
+        if epoch != self._epoch:
+            self._resume = None
+        self._epoch = epoch
 
     def __iter__(self) -> Iterator[Batch]:
         start = self._resume if self._resume is not None else 0

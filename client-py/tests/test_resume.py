@@ -1,0 +1,100 @@
+"""state_dict / load_state_dict resume, and Ctrl-C during a wait."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+
+
+def _labels(batches) -> list[int]:
+    return [int(v) for b in batches for v in b["label"]]
+
+
+def test_resume_mid_epoch_continues_the_same_order(start_daemon, stoker, data) -> None:
+    daemon = start_daemon(datasets={"train": data})
+    kw = dict(batch_size=8, shuffle=True, seed=11, rank=1, world_size=2, socket=daemon.socket)
+
+    full = stoker.Loader("train", **kw)
+    full.set_epoch(3)
+    expected = _labels(full)
+
+    first = stoker.Loader("train", **kw)
+    first.set_epoch(3)
+    it = iter(first)
+    head = [next(it) for _ in range(2)]
+    head_labels = _labels(head)
+    for b in head:
+        data.check_batch(b)
+    state = first.state_dict()
+    assert (state["epoch"], state["step"]) == (3, 2)
+    first.close()
+
+    resumed = stoker.Loader("train", **kw)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(3)  # the usual epoch loop: keeps the saved step
+    tail = []
+    for b in resumed:
+        data.check_batch(b)
+        tail += _labels([b])
+    assert head_labels + tail == expected
+    assert resumed.state_dict()["step"] == len(resumed)
+
+
+def test_load_state_dict_refuses_a_different_sampling(start_daemon, stoker, data) -> None:
+    daemon = start_daemon(datasets={"train": data})
+    a = stoker.Loader("train", batch_size=8, seed=1, socket=daemon.socket)
+    b = stoker.Loader("train", batch_size=8, seed=2, socket=daemon.socket)
+    try:
+        b.load_state_dict(a.state_dict())
+    except ValueError as e:
+        assert "seed" in str(e)
+    else:
+        raise AssertionError("load_state_dict accepted another seed")
+
+
+def test_ctrl_c_interrupts_a_wait_and_the_loader_still_works(start_daemon, stoker, data) -> None:
+    daemon = start_daemon(datasets={"train": data})
+    child = textwrap.dedent(
+        f"""
+        import sys, stoker
+        loader = stoker.Loader("train", batch_size=8, shuffle=False, socket={daemon.socket!r})
+        it = iter(loader)
+        print("ready", flush=True)
+        sys.stdin.readline()
+        try:
+            next(it)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        sys.stdin.readline()
+        batch = next(it)
+        print("label", int(batch["label"][0]), flush=True)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        os.kill(daemon.proc.pid, signal.SIGSTOP)  # the daemon cannot answer: next() must wait
+        try:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            assert proc.stdout.readline().strip() == "interrupted"
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline().split()
+        # The interrupted request's batch (step 0) was discarded; the next one is step 1.
+        assert line == ["label", "8"], line
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
