@@ -136,21 +136,30 @@ impl SlotWriter {
         out
     }
 
-    /// The bytes of field `field`, row `row` (which must be one of this writer's rows).
-    pub fn sample_mut(&mut self, field: usize, row: u64) -> &mut [u8] {
+    /// The bytes of row `row` (which must be one of this writer's rows) of every field, in layout order.
+    pub fn row_mut(&mut self, row: u64) -> Vec<&mut [u8]> {
         assert!(self.rows.contains(&row), "row {row} outside this writer's rows {:?}", self.rows);
         let ring = &self.claim.ring;
-        let layout = &ring.layout.fields[field];
-        let len = layout.sample_bytes() as usize;
-        let start = ring.layout.slot_offset(self.claim.slot) + layout.offset + row * len as u64;
-        assert!(start as usize + len <= ring.map.len(), "layout keeps samples inside the ring");
-        // SAFETY: the range is inside the mapping (asserted above). Writers of
-        // one slot exist only while the slot's claim is held, and the writers
-        // of one claim cover disjoint rows (`split`), so no two live `&mut`
-        // slices overlap. The client maps the memfd read-only and, by
-        // protocol, reads only slots it was handed after their writers were
-        // dropped; it cannot create aliasing Rust references in this process.
-        unsafe { std::slice::from_raw_parts_mut(ring.base.add(start as usize), len) }
+        let slot = ring.layout.slot_offset(self.claim.slot);
+        ring.layout
+            .fields
+            .iter()
+            .map(|field| {
+                let len = field.sample_bytes() as usize;
+                let start = (slot + field.offset + row * len as u64) as usize;
+                assert!(start + len <= ring.map.len(), "layout keeps samples inside the ring");
+                // SAFETY: the range is inside the mapping (asserted above) and
+                // fields occupy disjoint ranges of a slot (BatchLayout::new), so
+                // the slices returned together never overlap. Writers of one
+                // slot exist only while the slot's claim is held, and the
+                // writers of one claim cover disjoint rows (`split`), so no
+                // other live `&mut` aliases these bytes; the slices borrow
+                // `self` mutably, so one writer cannot hand them out twice.
+                // The client maps the memfd read-only and, by protocol, reads
+                // only slots it was handed after their writers were dropped.
+                unsafe { std::slice::from_raw_parts_mut(ring.base.add(start), len) }
+            })
+            .collect()
     }
 }
 
@@ -199,7 +208,7 @@ mod tests {
     fn writes_land_in_the_right_place() {
         let ring = ring();
         let mut w = ring.writer(1, 0..4).unwrap();
-        w.sample_mut(0, 2).copy_from_slice(&[7u8; 12]);
+        w.row_mut(2)[0].copy_from_slice(&[7u8; 12]);
         let layout = &ring.layout;
         let at = (layout.slot_offset(1) + 2 * 12) as usize;
         assert_eq!(&ring.map[at..at + 12], &[7u8; 12]);

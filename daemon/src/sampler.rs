@@ -85,6 +85,11 @@ impl Sampler {
         Sampler { n, rank, world, batch_size, shuffle, seed, per_rank, batches }
     }
 
+    /// The seed the permutation (and per-sample randomness) derives from.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
     /// Samples this rank sees per epoch.
     pub fn per_rank(&self) -> u64 {
         self.per_rank

@@ -26,8 +26,8 @@ use tracing::Instrument;
 use crate::config::{DatasetFormat, Settings};
 use crate::ring::Ring;
 use crate::sampler::Sampler;
-use crate::source::SourceError;
 use crate::source::hdf5::Hdf5Source;
+use crate::source::{Source, SourceError};
 use crate::stream::{Delivery, Stream, StreamMeta};
 
 /// An error reply: kind plus a message for the user.
@@ -39,7 +39,7 @@ pub struct Daemon {
     settings: Settings,
     started: Instant,
     pool: Arc<rayon::ThreadPool>,
-    sources: Mutex<HashMap<String, Arc<Hdf5Source>>>,
+    sources: Mutex<HashMap<String, Arc<dyn Source>>>,
     clients: Mutex<BTreeMap<u64, ClientStatus>>,
     streams: Mutex<BTreeMap<u64, Arc<Stream>>>,
     connected: Mutex<HashMap<u64, Instant>>,
@@ -108,7 +108,7 @@ impl Daemon {
     }
 
     /// Resolves a dataset reference to an open source (opened once, then shared).
-    fn source(&self, dataset: &DatasetRef) -> Reply<(String, Arc<Hdf5Source>)> {
+    fn source(&self, dataset: &DatasetRef) -> Reply<(String, Arc<dyn Source>)> {
         let (label, files, fields, roots) = match dataset {
             DatasetRef::Named(name) => {
                 let Some(ds) = self.settings.datasets.get(name) else {
@@ -158,7 +158,7 @@ impl Daemon {
             (kind, e.to_string())
         })?;
         tracing::info!(dataset = %label, samples = source.len(), "opened dataset");
-        let source = Arc::new(source);
+        let source: Arc<dyn Source> = Arc::new(source);
         lock(&self.sources).insert(key, source.clone());
         Ok((label, source))
     }

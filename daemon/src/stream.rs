@@ -19,7 +19,7 @@ use stoker_proto::{BatchLayout, BatchReady, StreamStatus};
 
 use crate::ring::Ring;
 use crate::sampler::Sampler;
-use crate::source::hdf5::Hdf5Source;
+use crate::source::{SampleRef, Source};
 
 /// Rows below which a batch is not split further across workers.
 const MIN_ROWS_PER_TASK: u64 = 8;
@@ -47,7 +47,7 @@ pub struct StreamMeta {
 #[derive(Debug)]
 pub struct Stream {
     meta: StreamMeta,
-    source: Arc<Hdf5Source>,
+    source: Arc<dyn Source>,
     sampler: Sampler,
     ring: Arc<Ring>,
     pool: Arc<rayon::ThreadPool>,
@@ -99,7 +99,7 @@ impl Stream {
     /// Creates the stream positioned at (`epoch`, `step`) and starts filling its ring.
     pub fn start(
         meta: StreamMeta,
-        source: Arc<Hdf5Source>,
+        source: Arc<dyn Source>,
         sampler: Sampler,
         ring: Arc<Ring>,
         pool: Arc<rayon::ThreadPool>,
@@ -324,17 +324,16 @@ impl Stream {
             }
         }
         let perm = self.sampler.permutation(epoch);
-        let fields = self.source.fields().len();
+        let seed = self.sampler.seed();
         let failure = Mutex::new(None::<String>);
         writer.split(parts, MIN_ROWS_PER_TASK).into_par_iter().for_each(|mut part| {
             for row in part.rows() {
                 let index = self.sampler.index(perm.as_ref(), step, row);
-                for field in 0..fields {
-                    if let Err(e) = self.source.read(field, index, part.sample_mut(field, row)) {
-                        tracing::warn!(stream = self.meta.id, error = %e, "batch failed");
-                        failure.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e.to_string());
-                        return;
-                    }
+                let sample = SampleRef { index, seed, epoch };
+                if let Err(e) = self.source.read_sample(sample, &mut part.row_mut(row)) {
+                    tracing::warn!(stream = self.meta.id, error = %e, "batch failed");
+                    failure.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e.to_string());
+                    return;
                 }
             }
         });

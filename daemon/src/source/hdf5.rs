@@ -16,27 +16,7 @@ use hdf5::datatype::ByteOrder;
 use hdf5::types::{FloatSize, IntSize, TypeDescriptor};
 use stoker_proto::DType;
 
-use super::SourceError;
-
-/// One field of the dataset as the client asked for it.
-#[derive(Debug, Clone)]
-pub struct FieldSpec {
-    /// Field name.
-    pub name: String,
-    /// HDF5 dataset path.
-    pub h5path: String,
-    /// Element type delivered.
-    pub dtype: DType,
-    /// Shape of one sample (dataset shape without the first axis).
-    pub shape: Vec<u64>,
-}
-
-impl FieldSpec {
-    /// Bytes of one sample.
-    pub fn sample_bytes(&self) -> usize {
-        self.shape.iter().product::<u64>() as usize * self.dtype.size()
-    }
-}
+use super::{FieldSpec, SampleRef, Source, SourceError};
 
 /// How one field of one file is read.
 #[derive(Debug)]
@@ -111,23 +91,8 @@ impl Hdf5Source {
         &self.pattern
     }
 
-    /// Number of samples.
-    pub fn len(&self) -> u64 {
-        *self.starts.last().expect("starts is never empty")
-    }
-
-    /// Whether there are no samples (never true for an opened source).
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Fields in delivery order.
-    pub fn fields(&self) -> &[FieldSpec] {
-        &self.fields
-    }
-
     /// Writes field `field` of sample `index` into `dst` (exactly one sample's bytes).
-    pub fn read(&self, field: usize, index: u64, dst: &mut [u8]) -> Result<(), SourceError> {
+    fn read(&self, field: usize, index: u64, dst: &mut [u8]) -> Result<(), SourceError> {
         let file_idx = self.starts.partition_point(|&s| s <= index) - 1;
         let file = &self.files[file_idx];
         let row = index - self.starts[file_idx];
@@ -137,7 +102,7 @@ impl Hdf5Source {
         let err = |message: String| SourceError::Read {
             path: file.path.clone(),
             field: spec.name.clone(),
-            h5path: spec.h5path.clone(),
+            h5path: spec.origin.clone(),
             index,
             row,
             message,
@@ -155,6 +120,23 @@ impl Hdf5Source {
             }
             None => read_hyperslab(reader, &spec.shape, row, dst).map_err(err),
         }
+    }
+}
+
+impl Source for Hdf5Source {
+    fn len(&self) -> u64 {
+        *self.starts.last().expect("starts is never empty")
+    }
+
+    fn fields(&self) -> &[FieldSpec] {
+        &self.fields
+    }
+
+    fn read_sample(&self, sample: SampleRef, out: &mut [&mut [u8]]) -> Result<(), SourceError> {
+        for (field, dst) in out.iter_mut().enumerate() {
+            self.read(field, sample.index, dst)?;
+        }
+        Ok(())
     }
 }
 
@@ -221,7 +203,7 @@ fn open_file(path: &Path, fields: &[(String, String)]) -> Result<(Hdf5File, Vec<
         if contiguous_at.is_none() {
             tracing::debug!(file = %path.display(), field = %name, layout = ?dataset.layout(), "reading through libhdf5");
         }
-        specs.push(FieldSpec { name: name.clone(), h5path: h5path.clone(), dtype, shape: sample_shape.to_vec() });
+        specs.push(FieldSpec { name: name.clone(), origin: h5path.clone(), dtype, shape: sample_shape.to_vec() });
         readers.push(FieldReader { dataset, mem_type, contiguous_at, swap });
     }
     let rows = rows.map_or(0, |(len, _)| len);
@@ -279,7 +261,7 @@ fn check_same_fields(
             return Err(SourceError::Inconsistent {
                 path: path.to_owned(),
                 field: b.name.clone(),
-                h5path: b.h5path.clone(),
+                h5path: b.origin.clone(),
                 message: format!(
                     "has samples of {} {:?} but {} has {} {:?}; every file must agree",
                     b.dtype,

@@ -1,9 +1,61 @@
 //! Where samples come from. A source knows its sample count and field layout
-//! and writes one field of one sample straight into a destination slice.
+//! and writes every field of one sample straight into destination slices
+//! (the sample's places in a ring slot).
 
 pub mod hdf5;
 
 use std::path::PathBuf;
+
+use stoker_proto::DType;
+
+/// One field of a dataset as the client receives it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldSpec {
+    /// Field name.
+    pub name: String,
+    /// Where the field comes from (an HDF5 path), for messages.
+    pub origin: String,
+    /// Element type delivered.
+    pub dtype: DType,
+    /// Shape of one sample.
+    pub shape: Vec<u64>,
+}
+
+impl FieldSpec {
+    /// Bytes of one sample.
+    pub fn sample_bytes(&self) -> usize {
+        self.shape.iter().product::<u64>() as usize * self.dtype.size()
+    }
+}
+
+/// Which sample to produce, and the context that randomized steps are keyed by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SampleRef {
+    /// Dataset index.
+    pub index: u64,
+    /// The stream's seed.
+    pub seed: u64,
+    /// The epoch being produced.
+    pub epoch: u64,
+}
+
+/// A dataset the daemon can serve.
+pub trait Source: Send + Sync + std::fmt::Debug {
+    /// Number of samples.
+    fn len(&self) -> u64;
+
+    /// Whether there are no samples.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Fields in delivery order.
+    fn fields(&self) -> &[FieldSpec];
+
+    /// Writes every field of `sample` into `out` (one slice per field, each
+    /// exactly that field's `sample_bytes`).
+    fn read_sample(&self, sample: SampleRef, out: &mut [&mut [u8]]) -> Result<(), SourceError>;
+}
 
 /// Errors opening a dataset or reading a sample; each names the file and field involved.
 #[derive(Debug, thiserror::Error)]
