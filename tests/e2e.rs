@@ -173,6 +173,8 @@ fn bad_dataset_names_the_file_and_field_and_the_daemon_keeps_serving() {
         dataset: DatasetRef::Hdf5 {
             files: format!("{}/part*.h5", dir.path().display()),
             fields: vec![("y".into(), "missing/path".into())],
+            window: None,
+            per_item: vec![],
         },
         ..open(4, 0, 1, false)
     };

@@ -100,12 +100,17 @@ fn typenum(dtype: DType) -> c_int {
     t as c_int
 }
 
-/// Extracts `("name", NAME)` or `("hdf5", GLOB, [(field, path), ...])`.
+/// Extracts `("name", NAME)` or `("hdf5", GLOB, [(field, path), ...], (size, stride) | None, [per_item...])`.
 fn dataset_ref(spec: &Bound<'_, PyTuple>) -> PyResult<DatasetRef> {
     let kind: String = spec.get_item(0)?.extract()?;
     match kind.as_str() {
         "name" => Ok(DatasetRef::Named(spec.get_item(1)?.extract()?)),
-        "hdf5" => Ok(DatasetRef::Hdf5 { files: spec.get_item(1)?.extract()?, fields: spec.get_item(2)?.extract()? }),
+        "hdf5" => Ok(DatasetRef::Hdf5 {
+            files: spec.get_item(1)?.extract()?,
+            fields: spec.get_item(2)?.extract()?,
+            window: spec.get_item(3)?.extract()?,
+            per_item: spec.get_item(4)?.extract()?,
+        }),
         other => Err(pyo3::exceptions::PyValueError::new_err(format!("unknown dataset kind {other:?}"))),
     }
 }

@@ -40,8 +40,13 @@ print("READY", flush=True)
 if a["mode"] == "iterate":
     sys.stdin.readline()
     del held
-    for batch in it:
-        pass
+    try:
+        print("ITERATING", flush=True)
+        for batch in it:
+            print("BATCH", flush=True)
+    except KeyboardInterrupt:
+        print("INTERRUPTED", flush=True)
+        sys.exit(0)
     print("EPOCH DONE", flush=True)
 time.sleep(600)
 """
@@ -66,13 +71,24 @@ def spawn_slow_client(d: Any, data: Any, hold: int, mode: str = "sleep") -> subp
 def block_in_next(d: Any, child: subprocess.Popen[str]) -> None:
     """Stop the daemon (SIGSTOP), then let `child` iterate: once it has taken
     the batches already in its ring, its next() waits for the daemon."""
+    def filled() -> bool:
+        s = streams_of(d.status(), child.pid)
+        return bool(s) and s[0]["slots_filled"] >= 1
+
+    deadline = time.monotonic() + 10
+    while not filled() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert filled(), f"child's ring never filled: {d.status()}"
     d.proc.send_signal(signal.SIGSTOP)
     child.stdin.write("go\n")
     child.stdin.flush()
+    # Once it says ITERATING it is about to call next(); give it a moment to
+    # get there (and to take any batch that needs no answer from the daemon).
+    ready, _, _ = select.select([child.stdout], [], [], 30)
+    line = child.stdout.readline() if ready else ""
+    assert line.strip() == "ITERATING", (line, child.poll())
     time.sleep(1.0)
     assert child.poll() is None, child.communicate()
-    ready, _, _ = select.select([child.stdout], [], [], 0)
-    assert not ready, f"child finished the epoch with the daemon stopped: {child.stdout.readline()!r}"
 
 
 def streams_of(status: dict[str, Any], pid: int) -> list[dict[str, Any]]:
@@ -174,12 +190,14 @@ def test_ctrl_c_interrupts_a_waiting_next(start_daemon, data, stoker) -> None:
         block_in_next(d, child)
         child.send_signal(signal.SIGINT)
         try:
-            _, err = child.communicate(timeout=30)
+            out, err = child.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             child.kill()
             child.communicate()
             pytest.fail("next() did not answer SIGINT within 30 s")
-        assert "KeyboardInterrupt" in err, err
+        assert out.split()[-1:] == ["INTERRUPTED"], (out, err)
+        assert set(out.split()) <= {"BATCH", "INTERRUPTED"}, (out, err)
+        assert child.returncode == 0, err
     finally:
         child.kill()
         d.proc.send_signal(signal.SIGCONT)

@@ -38,6 +38,14 @@ enum Command {
         /// Config file.
         file: PathBuf,
     },
+    /// Describe an HDF5 file: datasets, layouts, filters, how stoker reads each, a config snippet.
+    Inspect {
+        /// The file.
+        file: PathBuf,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Show the running daemon's clients and streams.
     Status {
         #[command(flatten)]
@@ -90,6 +98,15 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("  ring depth      {}", settings.ring_depth);
             println!("  allowed roots   {:?}", settings.allowed_roots);
             println!("  datasets        {:?}", settings.datasets.keys().collect::<Vec<_>>());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Inspect { file, json } => {
+            let reports = crate::inspect::inspect(&file)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&reports)?);
+            } else {
+                print!("{}", crate::inspect::format_report(&file, &reports));
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Status { target, json } => {
@@ -170,6 +187,16 @@ pub fn format_status(r: &StatusReport) -> String {
         r.pid,
         human_duration(r.uptime_s),
         r.worker_threads
+    );
+    let c = &r.chunk_cache;
+    let lookups = c.hits + c.misses;
+    let _ = writeln!(
+        out,
+        "chunk cache: {:.1} / {:.1} MB, {} chunks, hit rate {}",
+        c.bytes as f64 / 1e6,
+        c.capacity as f64 / 1e6,
+        c.entries,
+        if lookups == 0 { "-".to_string() } else { format!("{:.1}%", 100.0 * c.hits as f64 / lookups as f64) }
     );
     let _ = writeln!(out, "\nclients: {}", r.clients.len());
     if !r.clients.is_empty() {

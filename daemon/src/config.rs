@@ -47,6 +47,8 @@ pub struct Config {
     pub ring: RingConfig,
     /// `[limits]`: ceilings checked before allocating anything.
     pub limits: LimitsConfig,
+    /// `[cache]`: the node-wide cache of decoded data.
+    pub cache: CacheConfig,
     /// `[datasets.NAME]`: datasets clients can open by name.
     pub datasets: BTreeMap<String, DatasetConfig>,
 }
@@ -121,6 +123,20 @@ impl Default for LimitsConfig {
     }
 }
 
+/// `[cache]` table.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheConfig {
+    /// Bytes of decoded HDF5 chunks kept, shared by all streams (0 disables the cache).
+    pub chunk_bytes: u64,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig { chunk_bytes: 512 << 20 }
+    }
+}
+
 /// `[datasets.NAME]` table.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -131,6 +147,26 @@ pub struct DatasetConfig {
     pub files: String,
     /// Field name → HDF5 dataset path inside each file.
     pub fields: BTreeMap<String, String>,
+    /// Samples are windows along axis 1 (time): `{ size = 4, stride = 1 }`.
+    pub window: Option<WindowConfig>,
+    /// With a window, fields delivered whole per item (`field[item]`), e.g. per-trajectory constants.
+    #[serde(default)]
+    pub per_item: Vec<String>,
+}
+
+/// A dataset's `window = { size, stride }`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WindowConfig {
+    /// Consecutive steps per sample.
+    pub size: u64,
+    /// Steps between the starts of consecutive samples.
+    #[serde(default = "one")]
+    pub stride: u64,
+}
+
+fn one() -> u64 {
+    1
 }
 
 /// Formats a dataset can have.
@@ -156,6 +192,8 @@ pub struct Settings {
     pub ring_depth: u32,
     /// Limits.
     pub limits: LimitsConfig,
+    /// Bytes of the decoded-chunk cache.
+    pub chunk_cache_bytes: u64,
     /// Named datasets.
     pub datasets: BTreeMap<String, DatasetConfig>,
 }
@@ -197,6 +235,17 @@ impl Config {
                     ds.files
                 )));
             }
+            if let Some(w) = ds.window {
+                if w.size == 0 || w.stride == 0 {
+                    return Err(invalid(format!(
+                        "[datasets.{name}] window size = {} and stride = {} must both be at least 1",
+                        w.size, w.stride
+                    )));
+                }
+            }
+            if let Some(unknown) = ds.per_item.iter().find(|f| !ds.fields.contains_key(*f)) {
+                return Err(invalid(format!("[datasets.{name}] per_item names {unknown:?}, which is not in fields")));
+            }
             if ds.fields.is_empty() {
                 return Err(invalid(format!(
                     "[datasets.{name}] fields is empty; map at least one field name to an HDF5 path, \
@@ -220,6 +269,7 @@ impl Config {
             worker_threads,
             ring_depth: self.ring.depth,
             limits: self.limits,
+            chunk_cache_bytes: self.cache.chunk_bytes,
             datasets: self.datasets,
         })
     }

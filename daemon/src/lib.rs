@@ -2,8 +2,11 @@
 //! and the tokio control server, plus the CLI subcommands that talk to it.
 //! `main.rs` only parses flags and calls into this crate.
 
+pub mod cache;
 pub mod cli;
 pub mod config;
+pub mod filter;
+pub mod inspect;
 pub mod ring;
 pub mod sampler;
 pub mod server;

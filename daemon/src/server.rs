@@ -14,8 +14,8 @@ use std::time::Instant;
 
 use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
 use stoker_proto::{
-    BatchLayout, ClientStatus, DatasetInfo, DatasetRef, ErrorKind, OpenStream, Request, Response, StatusReport,
-    StreamInfo,
+    BatchLayout, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, ErrorKind, OpenStream, Request, Response,
+    StatusReport, StreamInfo,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
@@ -23,10 +23,11 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, watch};
 use tracing::Instrument;
 
+use crate::cache::ChunkCache;
 use crate::config::{DatasetFormat, Settings};
 use crate::ring::Ring;
 use crate::sampler::Sampler;
-use crate::source::hdf5::Hdf5Source;
+use crate::source::hdf5::{Hdf5Source, Hdf5Spec, Window};
 use crate::source::{Source, SourceError};
 use crate::stream::{Delivery, Stream, StreamMeta};
 
@@ -39,7 +40,8 @@ pub struct Daemon {
     settings: Settings,
     started: Instant,
     pool: Arc<rayon::ThreadPool>,
-    sources: Mutex<HashMap<String, Arc<dyn Source>>>,
+    sources: Mutex<HashMap<Hdf5Spec, Arc<dyn Source>>>,
+    chunk_cache: Arc<ChunkCache>,
     clients: Mutex<BTreeMap<u64, ClientStatus>>,
     streams: Mutex<BTreeMap<u64, Arc<Stream>>>,
     connected: Mutex<HashMap<u64, Instant>>,
@@ -54,11 +56,13 @@ impl Daemon {
             .num_threads(settings.worker_threads)
             .thread_name(|i| format!("stoker-worker-{i}"))
             .build()?;
+        let chunk_cache = Arc::new(ChunkCache::new(settings.chunk_cache_bytes as usize));
         Ok(Arc::new(Daemon {
             settings,
             started: Instant::now(),
             pool: Arc::new(pool),
             sources: Mutex::new(HashMap::new()),
+            chunk_cache,
             clients: Mutex::new(BTreeMap::new()),
             streams: Mutex::new(BTreeMap::new()),
             connected: Mutex::new(HashMap::new()),
@@ -89,6 +93,10 @@ impl Daemon {
             worker_threads: self.pool.current_num_threads() as u64,
             clients,
             streams,
+            chunk_cache: {
+                let s = self.chunk_cache.stats();
+                CacheStatus { bytes: s.bytes, capacity: s.capacity, entries: s.entries, hits: s.hits, misses: s.misses }
+            },
         }
     }
 
@@ -103,13 +111,15 @@ impl Daemon {
                 },
                 files: ds.files.clone(),
                 fields: ds.fields.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+                window: ds.window.map(|w| (w.size, w.stride)),
+                per_item: ds.per_item.clone(),
             })
             .collect()
     }
 
     /// Resolves a dataset reference to an open source (opened once, then shared).
     fn source(&self, dataset: &DatasetRef) -> Reply<(String, Arc<dyn Source>)> {
-        let (label, files, fields, roots) = match dataset {
+        let (label, spec, roots) = match dataset {
             DatasetRef::Named(name) => {
                 let Some(ds) = self.settings.datasets.get(name) else {
                     let known: Vec<_> = self.settings.datasets.keys().collect();
@@ -120,10 +130,15 @@ impl Daemon {
                         ),
                     ));
                 };
-                let fields: Vec<_> = ds.fields.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-                (name.clone(), ds.files.clone(), fields, None)
+                let spec = Hdf5Spec {
+                    files: ds.files.clone(),
+                    fields: ds.fields.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+                    window: ds.window.map(|w| Window { size: w.size, stride: w.stride }),
+                    per_item: ds.per_item.clone(),
+                };
+                (name.clone(), spec, None)
             }
-            DatasetRef::Hdf5 { files, fields } => {
+            DatasetRef::Hdf5 { files, fields, window, per_item } => {
                 if self.settings.allowed_roots.is_empty() {
                     return Err((
                         ErrorKind::PermissionDenied,
@@ -143,14 +158,19 @@ impl Daemon {
                         return Err((ErrorKind::Dataset, format!("field {name:?} is given twice")));
                     }
                 }
-                (files.clone(), files.clone(), fields.clone(), Some(self.settings.allowed_roots.as_slice()))
+                let spec = Hdf5Spec {
+                    files: files.clone(),
+                    fields: fields.clone(),
+                    window: window.map(|(size, stride)| Window { size, stride }),
+                    per_item: per_item.clone(),
+                };
+                (files.clone(), spec, Some(self.settings.allowed_roots.as_slice()))
             }
         };
-        let key = format!("{files}\0{fields:?}");
-        if let Some(source) = lock(&self.sources).get(&key) {
+        if let Some(source) = lock(&self.sources).get(&spec) {
             return Ok((label, source.clone()));
         }
-        let source = Hdf5Source::open(&files, &fields, roots).map_err(|e| {
+        let source = Hdf5Source::open(&spec, roots, self.chunk_cache.clone()).map_err(|e| {
             let kind = match e {
                 SourceError::NotAllowed { .. } => ErrorKind::PermissionDenied,
                 _ => ErrorKind::Dataset,
@@ -159,7 +179,7 @@ impl Daemon {
         })?;
         tracing::info!(dataset = %label, samples = source.len(), "opened dataset");
         let source: Arc<dyn Source> = Arc::new(source);
-        lock(&self.sources).insert(key, source.clone());
+        lock(&self.sources).insert(spec, source.clone());
         Ok((label, source))
     }
 }

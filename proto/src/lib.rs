@@ -15,8 +15,8 @@ pub use layout::{
     BatchLayout, DType, FIELD_ALIGN, FieldLayout, RING_HEADER_BYTES, RING_LAYOUT_VERSION, RING_MAGIC, SLOT_ALIGN,
 };
 pub use message::{
-    BatchReady, ClientStatus, DatasetInfo, DatasetRef, ErrorKind, OpenStream, Request, Response, StatusReport,
-    StreamInfo, StreamStatus,
+    BatchReady, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, ErrorKind, OpenStream, Request, Response,
+    StatusReport, StreamInfo, StreamStatus,
 };
 
 /// Version of the wire protocol; bumped on any incompatible change.

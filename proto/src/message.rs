@@ -85,6 +85,10 @@ pub enum DatasetRef {
         files: String,
         /// `(field name, HDF5 path)` pairs, in delivery order.
         fields: Vec<(String, String)>,
+        /// Optional window along axis 1: `(size, stride)`.
+        window: Option<(u64, u64)>,
+        /// Fields delivered whole per item when windowed.
+        per_item: Vec<String>,
     },
 }
 
@@ -188,6 +192,10 @@ pub struct DatasetInfo {
     pub files: String,
     /// `(field, path)` pairs.
     pub fields: Vec<(String, String)>,
+    /// Window along axis 1 as `(size, stride)`, if any.
+    pub window: Option<(u64, u64)>,
+    /// Fields delivered whole per item when windowed.
+    pub per_item: Vec<String>,
 }
 
 /// The daemon's state, as `stoker status` shows it.
@@ -205,6 +213,23 @@ pub struct StatusReport {
     pub clients: Vec<ClientStatus>,
     /// Open streams.
     pub streams: Vec<StreamStatus>,
+    /// The node-wide cache of decoded HDF5 chunks.
+    pub chunk_cache: CacheStatus,
+}
+
+/// Occupancy and effectiveness of a cache.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CacheStatus {
+    /// Bytes held.
+    pub bytes: u64,
+    /// Capacity in bytes.
+    pub capacity: u64,
+    /// Entries held.
+    pub entries: u64,
+    /// Lookups that hit.
+    pub hits: u64,
+    /// Lookups that missed.
+    pub misses: u64,
 }
 
 /// One connected client.

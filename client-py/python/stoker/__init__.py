@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -57,23 +57,51 @@ class Hdf5Spec:
 
     files: str
     fields: Mapping[str, str] = field(default_factory=dict)
+    window: Optional[Tuple[int, int]] = None
+    per_item: Tuple[str, ...] = ()
 
     def _wire(self) -> tuple:
-        return ("hdf5", self.files, [(str(k), str(v)) for k, v in self.fields.items()])
+        fields = [(str(k), str(v)) for k, v in self.fields.items()]
+        return ("hdf5", self.files, fields, self.window, list(self.per_item))
 
 
-def hdf5(files: Union[str, os.PathLike], fields: Mapping[str, str]) -> Hdf5Spec:
+def hdf5(
+    files: Union[str, os.PathLike],
+    fields: Mapping[str, str],
+    window: Optional[Mapping[str, int]] = None,
+    per_item: Sequence[str] = (),
+) -> Hdf5Spec:
     """Describe an HDF5 dataset for :class:`Loader`.
 
     ``files`` is an absolute path or glob (files are concatenated in sorted
     order); ``fields`` maps each field name to an HDF5 dataset path. Sample
-    ``i`` is row ``i`` along the first axis of every field. The daemon only
-    serves ad-hoc datasets under its configured ``allowed_roots``.
+    ``i`` is row ``i`` along the first axis of every field.
+
+    With ``window={"size": s, "stride": k}`` samples are windows along axis 1
+    (time): every item (row) of a file shaped ``[items, T, ...]`` yields
+    ``(T - s) // k + 1`` samples, and sample ``(item, start)`` delivers
+    ``field[item, start:start + s]``; fields named in ``per_item`` are
+    delivered whole, ``field[item]`` (per-trajectory constants, say).
+
+    The daemon only serves ad-hoc datasets under its configured ``allowed_roots``.
     """
     files = os.path.abspath(os.fspath(files))
     if not fields:
         raise ValueError("fields must map at least one field name to an HDF5 dataset path")
-    return Hdf5Spec(files, dict(fields))
+    win = None
+    if window is not None:
+        unknown = set(window) - {"size", "stride"}
+        if unknown or "size" not in window:
+            raise ValueError(f"window takes 'size' and optionally 'stride', got {dict(window)!r}")
+        win = (int(window["size"]), int(window.get("stride", 1)))
+        if win[0] < 1 or win[1] < 1:
+            raise ValueError(f"window size and stride must be at least 1, got {win}")
+    elif per_item:
+        raise ValueError("per_item needs a window: without one every field is delivered per item")
+    missing = [f for f in per_item if f not in fields]
+    if missing:
+        raise ValueError(f"per_item names {missing}, which are not in fields")
+    return Hdf5Spec(files, dict(fields), win, tuple(per_item))
 
 
 def _env_int(*names: str) -> Optional[int]:

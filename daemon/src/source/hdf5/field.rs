@@ -1,0 +1,445 @@
+//! Reading one HDF5 dataset (one field of one file): a block `[item, …]` at a
+//! time, straight into the destination.
+//!
+//! Three paths, chosen once at open:
+//! - **contiguous**: `pread` at the dataset's file offset, outside libhdf5's
+//!   global lock;
+//! - **chunked**: chunk addresses are looked up through libhdf5 once per chunk
+//!   (`H5Dget_chunk_info_by_coord`, cached), the stored bytes are read with
+//!   `pread` and decoded by [`crate::filter`] on the calling worker thread,
+//!   outside the lock; decoded chunks go through the node-wide
+//!   [`ChunkCache`]; never-written chunks produce the fill value;
+//! - **library**: `H5Dread` of a hyperslab under the lock, for everything the
+//!   fast paths do not handle (compact and virtual layouts, bool/enum types,
+//!   filters the fast path lacks). Logged once per field with the reason.
+//!
+//! The fast paths copy file-order bytes and byte-swap the destination at the
+//! end when the file is big-endian.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_uint};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::{Arc, RwLock};
+
+use hdf5::datatype::ByteOrder;
+use hdf5_sys::h5::{haddr_t, hsize_t};
+use stoker_proto::DType;
+
+use crate::cache::{ChunkCache, ChunkKey};
+use crate::filter::{self, FilterSpec};
+
+/// How a field's bytes are found.
+#[derive(Debug)]
+pub(crate) enum Layout {
+    /// Row-major bytes at this file offset.
+    Contiguous { offset: u64 },
+    /// Chunked storage read and decoded in Rust.
+    Chunked(Chunked),
+    /// Read through `H5Dread`; the reason the fast paths do not apply.
+    Library { reason: String },
+}
+
+impl Layout {
+    /// Short description for `stoker inspect` and logs.
+    pub(crate) fn describe(&self) -> String {
+        match self {
+            Layout::Contiguous { .. } => "fast path: contiguous, pread".to_string(),
+            Layout::Chunked(c) if c.filters.is_empty() => "fast path: chunked, pread".to_string(),
+            Layout::Chunked(c) => {
+                let names: Vec<_> = c.filters.iter().map(|f| f.name.as_str()).collect();
+                format!("fast path: chunked, pread + {} in Rust", names.join(" + "))
+            }
+            Layout::Library { reason } => format!("libhdf5 (under its global lock): {reason}"),
+        }
+    }
+}
+
+/// Chunked-layout state of one field of one file.
+#[derive(Debug)]
+pub(crate) struct Chunked {
+    /// Chunk shape, one entry per dataset dimension.
+    pub(crate) chunk: Vec<u64>,
+    /// Chunks per dimension.
+    grid: Vec<u64>,
+    /// Decoded bytes of one chunk.
+    chunk_bytes: usize,
+    /// The filter pipeline, in the order it was applied when writing.
+    pub(crate) filters: Vec<FilterSpec>,
+    /// The fill value, one element in file byte order.
+    fill: Vec<u8>,
+    /// Chunk locations looked up so far, by linear chunk index.
+    locations: RwLock<HashMap<u64, Location>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Location {
+    /// File address, `None` when the chunk was never written.
+    addr: Option<u64>,
+    size: u64,
+    filter_mask: u32,
+}
+
+/// One field of one file.
+#[derive(Debug)]
+pub(crate) struct FieldReader {
+    pub(crate) dataset: hdf5::Dataset,
+    /// Dataset shape.
+    pub(crate) dims: Vec<u64>,
+    /// Bytes per element.
+    elem: usize,
+    /// File bytes are big-endian and must be swapped after a raw copy.
+    swap: bool,
+    /// Native in-memory type for `H5Dread`.
+    mem_type: hdf5::Datatype,
+    pub(crate) layout: Layout,
+    /// Identifies this field of this file in the chunk cache.
+    cache_id: u64,
+}
+
+impl FieldReader {
+    /// Inspects `dataset` and picks its read path.
+    pub(crate) fn new(
+        dataset: hdf5::Dataset,
+        dtype: DType,
+        file_type: &hdf5::Datatype,
+        mem_type: hdf5::Datatype,
+        cache_id: u64,
+    ) -> Result<FieldReader, String> {
+        let dims: Vec<u64> = dataset.shape().iter().map(|&d| d as u64).collect();
+        let elem = dtype.size();
+        let order = file_type.byte_order();
+        let swap = order == ByteOrder::BigEndian && cfg!(target_endian = "little") && elem > 1;
+        let raw_ok = dtype != DType::Bool && matches!(order, ByteOrder::LittleEndian | ByteOrder::BigEndian)
+            || (dtype != DType::Bool && elem == 1);
+        let layout = if !raw_ok {
+            Layout::Library { reason: format!("{dtype} stored as an HDF5 enum or with an unusual byte order") }
+        } else {
+            match dataset.layout() {
+                hdf5::dataset::Layout::Contiguous => match dataset.offset() {
+                    Some(offset) => Layout::Contiguous { offset },
+                    None => Layout::Library { reason: "contiguous storage not allocated (never written)".into() },
+                },
+                hdf5::dataset::Layout::Chunked => chunked(&dataset, file_type, &dims, elem)?,
+                hdf5::dataset::Layout::Compact => Layout::Library { reason: "compact layout".into() },
+                #[allow(unreachable_patterns)]
+                other => Layout::Library { reason: format!("{other:?} layout") },
+            }
+        };
+        Ok(FieldReader { dataset, dims, elem, swap, mem_type, layout, cache_id })
+    }
+
+    /// Reads the block at `start` of shape `count` (both full rank, C order)
+    /// into `dst` (exactly `prod(count) * elem` bytes). Errors are messages
+    /// naming the chunk involved; the caller adds file and field.
+    pub(crate) fn read_block(
+        &self,
+        file: &File,
+        cache: &ChunkCache,
+        start: &[u64],
+        count: &[u64],
+        dst: &mut [u8],
+    ) -> Result<(), String> {
+        debug_assert_eq!(dst.len() as u64, count.iter().product::<u64>() * self.elem as u64);
+        match &self.layout {
+            Layout::Contiguous { offset } => {
+                // Blocks are [1, n, full trailing dims…], so they are one run.
+                let mut at = 0u64;
+                for (d, (&s, &dim)) in start.iter().zip(&self.dims).enumerate() {
+                    let stride: u64 = self.dims[d + 1..].iter().product::<u64>() * self.elem as u64;
+                    at += s * stride;
+                    debug_assert!(s < dim || count[d] == 0);
+                }
+                let at = offset + at;
+                file.read_exact_at(dst, at)
+                    .map_err(|e| format!("read of {} bytes at file offset {at}: {e}", dst.len()))?;
+            }
+            Layout::Chunked(c) => self.read_chunked(c, file, cache, start, count, dst)?,
+            Layout::Library { .. } => return self.read_library(start, count, dst),
+        }
+        if self.swap {
+            for element in dst.chunks_exact_mut(self.elem) {
+                element.reverse();
+            }
+        }
+        Ok(())
+    }
+
+    fn read_chunked(
+        &self,
+        c: &Chunked,
+        file: &File,
+        cache: &ChunkCache,
+        start: &[u64],
+        count: &[u64],
+        dst: &mut [u8],
+    ) -> Result<(), String> {
+        let rank = self.dims.len();
+        if count.contains(&0) {
+            return Ok(());
+        }
+        // Chunk grid range covering the block.
+        let first: Vec<u64> = (0..rank).map(|a| start[a] / c.chunk[a]).collect();
+        let last: Vec<u64> = (0..rank).map(|a| (start[a] + count[a] - 1) / c.chunk[a]).collect();
+        let mut grid_pos = first.clone();
+        let mut scratch = Vec::new();
+        loop {
+            let linear = grid_pos.iter().zip(&c.grid).fold(0u64, |acc, (&g, &n)| acc * n + g);
+            let chunk_start: Vec<u64> = (0..rank).map(|a| grid_pos[a] * c.chunk[a]).collect();
+            let data = self.chunk(c, file, cache, linear, &chunk_start, &mut scratch)?;
+            copy_region(c, self.elem, &chunk_start, start, count, data.as_deref(), &c.fill, dst);
+            // Next chunk position (odometer over the grid range).
+            let mut a = rank;
+            loop {
+                if a == 0 {
+                    return Ok(());
+                }
+                a -= 1;
+                if grid_pos[a] < last[a] {
+                    grid_pos[a] += 1;
+                    break;
+                }
+                grid_pos[a] = first[a];
+            }
+        }
+    }
+
+    /// The decoded bytes of one chunk, or `None` if it was never written.
+    fn chunk(
+        &self,
+        c: &Chunked,
+        file: &File,
+        cache: &ChunkCache,
+        linear: u64,
+        chunk_start: &[u64],
+        scratch: &mut Vec<u8>,
+    ) -> Result<Option<Arc<[u8]>>, String> {
+        let key = ChunkKey { field: self.cache_id, chunk: linear };
+        if let Some(hit) = cache.get(&key) {
+            return Ok(Some(hit));
+        }
+        let loc = self.location(c, linear, chunk_start)?;
+        let Some(addr) = loc.addr else { return Ok(None) };
+        let what = || format!("chunk at {chunk_start:?} (file offset {addr}, {} bytes stored)", loc.size);
+        scratch.resize(loc.size as usize, 0);
+        file.read_exact_at(scratch, addr).map_err(|e| format!("{}: read failed: {e}", what()))?;
+        let decoded: Arc<[u8]> = if c.filters.is_empty() || loc.filter_mask.count_ones() as usize >= c.filters.len() {
+            if scratch.len() != c.chunk_bytes {
+                return Err(format!("{}: expected {} bytes of unfiltered data", what(), c.chunk_bytes));
+            }
+            Arc::from(&scratch[..])
+        } else {
+            let mut out = Vec::new();
+            filter::decode_chunk(&c.filters, loc.filter_mask, scratch, self.elem, c.chunk_bytes, &mut out)
+                .map_err(|e| format!("{}: {e}; the file may be corrupt (h5py/h5dump will fail on it too)", what()))?;
+            Arc::from(out)
+        };
+        cache.insert(key, decoded.clone());
+        Ok(Some(decoded))
+    }
+
+    fn location(&self, c: &Chunked, linear: u64, chunk_start: &[u64]) -> Result<Location, String> {
+        if let Some(loc) = c.locations.read().unwrap_or_else(|e| e.into_inner()).get(&linear) {
+            return Ok(*loc);
+        }
+        let coords: Vec<hsize_t> = chunk_start.to_vec();
+        let (mut mask, mut addr, mut size): (c_uint, haddr_t, hsize_t) = (0, 0, 0);
+        let status = hdf5::sync::sync(|| {
+            // SAFETY: the dataset id is valid while `self.dataset` lives;
+            // `coords` has one entry per dimension; the out-pointers point at
+            // locals; libhdf5 is called under hdf5-metno's global lock.
+            unsafe {
+                hdf5_sys::h5d::H5Dget_chunk_info_by_coord(
+                    self.dataset.id(),
+                    coords.as_ptr(),
+                    &mut mask,
+                    &mut addr,
+                    &mut size,
+                )
+            }
+        });
+        if status < 0 {
+            return Err(format!("cannot locate the chunk at {chunk_start:?} (H5Dget_chunk_info_by_coord failed)"));
+        }
+        let loc = Location { addr: (addr != hdf5_sys::h5::HADDR_UNDEF).then_some(addr), size, filter_mask: mask };
+        c.locations.write().unwrap_or_else(|e| e.into_inner()).insert(linear, loc);
+        Ok(loc)
+    }
+
+    /// `H5Dread` of the block under the library lock, converting to native order.
+    fn read_library(&self, start: &[u64], count: &[u64], dst: &mut [u8]) -> Result<(), String> {
+        use hdf5_sys::h5d::{H5Dget_space, H5Dread};
+        use hdf5_sys::h5p::H5P_DEFAULT;
+        use hdf5_sys::h5s::{H5S_seloper_t, H5Sclose, H5Screate_simple, H5Sselect_hyperslab};
+
+        let elements: u64 = count.iter().product();
+        let mem_dims = [elements];
+        hdf5::sync::sync(|| {
+            // SAFETY: the dataset and memory type stay open while `self`
+            // lives; the spaces are created and closed here; `start` and
+            // `count` have one entry per dimension; `dst` holds `elements`
+            // values of `mem_type`; libhdf5 runs under hdf5-metno's lock.
+            unsafe {
+                let file_space = H5Dget_space(self.dataset.id());
+                if file_space < 0 {
+                    return Err("H5Dget_space failed".to_string());
+                }
+                let mem_space = H5Screate_simple(1, mem_dims.as_ptr(), std::ptr::null());
+                let mut status = H5Sselect_hyperslab(
+                    file_space,
+                    H5S_seloper_t::H5S_SELECT_SET,
+                    start.as_ptr(),
+                    std::ptr::null(),
+                    count.as_ptr(),
+                    std::ptr::null(),
+                );
+                if status >= 0 && mem_space >= 0 {
+                    status = H5Dread(
+                        self.dataset.id(),
+                        self.mem_type.id(),
+                        mem_space,
+                        file_space,
+                        H5P_DEFAULT,
+                        dst.as_mut_ptr().cast(),
+                    );
+                }
+                if mem_space >= 0 {
+                    H5Sclose(mem_space);
+                }
+                H5Sclose(file_space);
+                if status < 0 || mem_space < 0 {
+                    return Err(format!(
+                        "libhdf5 failed to read the block at {start:?} of shape {count:?} (corrupt data, or a \
+                         filter plugin that is not installed: set HDF5_PLUGIN_PATH)"
+                    ));
+                }
+                Ok(())
+            }
+        })
+    }
+}
+
+/// Copies the part of the block (`start`, `count`) that lies in the chunk at
+/// `chunk_start` from the decoded chunk (or the fill value) into `dst`.
+#[allow(clippy::too_many_arguments)]
+fn copy_region(
+    c: &Chunked,
+    elem: usize,
+    chunk_start: &[u64],
+    start: &[u64],
+    count: &[u64],
+    chunk: Option<&[u8]>,
+    fill: &[u8],
+    dst: &mut [u8],
+) {
+    let rank = c.chunk.len();
+    let lo: Vec<u64> = (0..rank).map(|a| start[a].max(chunk_start[a])).collect();
+    let hi: Vec<u64> = (0..rank).map(|a| (start[a] + count[a]).min(chunk_start[a] + c.chunk[a])).collect();
+    // Merge trailing axes that are whole in both the chunk and the block into one run.
+    let mut split = rank - 1;
+    while split > 0 {
+        let a = split;
+        let whole =
+            lo[a] == chunk_start[a] && hi[a] - lo[a] == c.chunk[a] && lo[a] == start[a] && hi[a] - lo[a] == count[a];
+        if !whole {
+            break;
+        }
+        split -= 1;
+    }
+    let run_elems = (hi[split] - lo[split]) * c.chunk[split + 1..].iter().product::<u64>();
+    let run = run_elems as usize * elem;
+    let mut chunk_strides = vec![elem as u64; rank];
+    let mut block_strides = vec![elem as u64; rank];
+    for a in (0..rank.saturating_sub(1)).rev() {
+        chunk_strides[a] = chunk_strides[a + 1] * c.chunk[a + 1];
+        block_strides[a] = block_strides[a + 1] * count[a + 1];
+    }
+    let mut pos = lo[..split].to_vec();
+    loop {
+        let mut src = (lo[split] - chunk_start[split]) * chunk_strides[split];
+        let mut out = (lo[split] - start[split]) * block_strides[split];
+        for a in 0..split {
+            src += (pos[a] - chunk_start[a]) * chunk_strides[a];
+            out += (pos[a] - start[a]) * block_strides[a];
+        }
+        let target = &mut dst[out as usize..out as usize + run];
+        match chunk {
+            Some(data) => target.copy_from_slice(&data[src as usize..src as usize + run]),
+            None => {
+                for element in target.chunks_exact_mut(elem) {
+                    element.copy_from_slice(fill);
+                }
+            }
+        }
+        let mut a = split;
+        loop {
+            if a == 0 {
+                return;
+            }
+            a -= 1;
+            if pos[a] + 1 < hi[a] {
+                pos[a] += 1;
+                break;
+            }
+            pos[a] = lo[a];
+        }
+    }
+}
+
+/// Reads the chunked layout's metadata: chunk shape, filters, fill value.
+fn chunked(dataset: &hdf5::Dataset, file_type: &hdf5::Datatype, dims: &[u64], elem: usize) -> Result<Layout, String> {
+    use hdf5_sys::h5d::H5Dget_create_plist;
+    use hdf5_sys::h5p::{H5Pclose, H5Pget_chunk, H5Pget_fill_value, H5Pget_filter2, H5Pget_nfilters};
+
+    let rank = dims.len();
+    let mut chunk = vec![0 as hsize_t; rank];
+    let mut fill = vec![0u8; elem];
+    let mut filters = Vec::new();
+    let ok = hdf5::sync::sync(|| {
+        // SAFETY: the dataset and type ids are valid while their owners live;
+        // the property list is created here and closed before returning;
+        // buffers are sized as libhdf5 expects (rank dims, one fill element
+        // of the file type, 32 client-data values, a 256-byte name); all under
+        // hdf5-metno's global lock.
+        unsafe {
+            let dcpl = H5Dget_create_plist(dataset.id());
+            if dcpl < 0 {
+                return false;
+            }
+            let got = H5Pget_chunk(dcpl, rank as i32, chunk.as_mut_ptr());
+            let fill_ok = H5Pget_fill_value(dcpl, file_type.id(), fill.as_mut_ptr().cast()) >= 0;
+            let n = H5Pget_nfilters(dcpl).max(0);
+            for i in 0..n {
+                let mut flags: c_uint = 0;
+                let mut nelmts: usize = 32;
+                let mut cd = vec![0 as c_uint; 32];
+                let mut name = [0 as c_char; 256];
+                let mut config: c_uint = 0;
+                let id = H5Pget_filter2(
+                    dcpl,
+                    i as c_uint,
+                    &mut flags,
+                    &mut nelmts,
+                    cd.as_mut_ptr(),
+                    name.len(),
+                    name.as_mut_ptr(),
+                    &mut config,
+                );
+                cd.truncate(nelmts.min(32));
+                let name = std::ffi::CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned();
+                filters.push(FilterSpec { id: id as u32, flags, client_data: cd, name });
+            }
+            H5Pclose(dcpl);
+            got == rank as i32 && fill_ok
+        }
+    });
+    if !ok || chunk.contains(&0) {
+        return Ok(Layout::Library { reason: "cannot read the chunk layout".into() });
+    }
+    if let Some(reason) = filter::unsupported_reason(&filters) {
+        return Ok(Layout::Library { reason });
+    }
+    let grid = dims.iter().zip(&chunk).map(|(&d, &c)| d.div_ceil(c)).collect();
+    let chunk_bytes = chunk.iter().product::<u64>() as usize * elem;
+    Ok(Layout::Chunked(Chunked { chunk, grid, chunk_bytes, filters, fill, locations: RwLock::new(HashMap::new()) }))
+}
