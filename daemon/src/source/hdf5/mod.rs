@@ -129,10 +129,16 @@ impl Hdf5Source {
         if *starts.last().expect("starts is never empty") == 0 {
             return Err(SourceError::Empty { pattern: pattern.to_string() });
         }
-        for (f, field) in fields.iter().enumerate() {
-            if let field::Layout::Library { reason } = &files[0].fields[f].layout {
-                tracing::info!(dataset = %pattern, field = %field.name, path = %field.origin, %reason, "reading through libhdf5");
-            }
+        let slow: Vec<String> = fields
+            .iter()
+            .zip(&files[0].fields)
+            .filter_map(|(field, reader)| match &reader.layout {
+                field::Layout::Library { reason } => Some(format!("{} ({reason})", field.name)),
+                _ => None,
+            })
+            .collect();
+        if !slow.is_empty() {
+            tracing::info!(dataset = %pattern, fields = %slow.join(", "), "reading through libhdf5, under its global lock");
         }
         Ok(Hdf5Source { spec: spec.clone(), fields, windowed, files, starts, cache })
     }
