@@ -268,7 +268,7 @@ def render(a: argparse.Namespace, info: dict[str, str], files: dict[str, tuple[P
         f"Command: `{cmd}`",
         "",
         f"Machine: {info['nproc']} CPUs ({info['cpu']}), {info['memory']} RAM, Linux {info['kernel']}; "
-        f"Python {info['python']}, numpy {info['numpy']}, h5py {info['h5py']}; stoker: {version}.",
+        f"Python {info['python']}, numpy {info['numpy']}, h5py {info['h5py']}; `stoker --version`: {version}.",
         f"Daemon: {a.threads} worker threads, ring depth {a.depth}. Data: uncompressed contiguous f32 "
         "HDF5, in the page cache (read once before measuring).",
         "",

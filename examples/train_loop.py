@@ -63,7 +63,12 @@ files = "{data}/*.h5"
 fields = {{ x = "x", y = "y" }}
 """
     )
-    proc = subprocess.Popen([binary, "serve", "--config", str(config), "--socket", sock], stdin=subprocess.DEVNULL)
+    log = open(workdir / "daemon.log", "wb")  # the daemon logs to stderr
+    proc = subprocess.Popen(
+        [binary, "serve", "--config", str(config), "--socket", sock],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+    )
+    log.close()
     deadline = time.monotonic() + 20
     while True:
         if proc.poll() is not None:
@@ -142,6 +147,9 @@ def main() -> int:
         return 0
     except Exception as e:  # noqa: BLE001 - report and fail the example
         print(f"train_loop failed: {type(e).__name__}: {e}", file=sys.stderr)
+        log = workdir / "daemon.log"
+        if log.exists():
+            print("daemon log:\n" + log.read_text(errors="replace")[-4000:], file=sys.stderr)
         return 1
     finally:
         if proc is not None:

@@ -351,12 +351,17 @@ def start_daemon(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cal
     yield start
 
     failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
-    for i, d in enumerate(daemons):
-        d.stop()
-        if failed:
-            print(f"---- daemon {i} ({d.socket}) stderr ----\n{d.stderr()[-8000:]}")
-    for w in dirs:
-        shutil.rmtree(w, ignore_errors=True)
+    try:
+        for i, d in enumerate(daemons):
+            d.proc.send_signal(signal.SIGCONT)  # in case a test left it stopped
+            d.stop()
+            if failed:
+                print(f"---- daemon {i} ({d.socket}) stderr ----\n{d.stderr()[-8000:]}")
+    finally:
+        for d in daemons:
+            d.kill()
+        for w in dirs:
+            shutil.rmtree(w, ignore_errors=True)
 
 
 class Hung(Exception):

@@ -49,6 +49,8 @@ pub struct Config {
     pub limits: LimitsConfig,
     /// `[cache]`: the node-wide cache of decoded data.
     pub cache: CacheConfig,
+    /// `[hdf5]`: how HDF5 files are read.
+    pub hdf5: Hdf5Config,
     /// `[datasets.NAME]`: datasets clients can open by name.
     pub datasets: BTreeMap<String, DatasetConfig>,
 }
@@ -123,6 +125,22 @@ impl Default for LimitsConfig {
     }
 }
 
+/// `[hdf5]` table.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Hdf5Config {
+    /// Read contiguous and chunked data with pread and decompress in Rust on
+    /// the worker threads; `false` reads everything through libhdf5 (one
+    /// thread at a time, under its global lock).
+    pub fast_path: bool,
+}
+
+impl Default for Hdf5Config {
+    fn default() -> Self {
+        Hdf5Config { fast_path: true }
+    }
+}
+
 /// `[cache]` table.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -194,6 +212,8 @@ pub struct Settings {
     pub limits: LimitsConfig,
     /// Bytes of the decoded-chunk cache.
     pub chunk_cache_bytes: u64,
+    /// HDF5 fast path on or off.
+    pub hdf5_fast_path: bool,
     /// Named datasets.
     pub datasets: BTreeMap<String, DatasetConfig>,
 }
@@ -270,6 +290,7 @@ impl Config {
             ring_depth: self.ring.depth,
             limits: self.limits,
             chunk_cache_bytes: self.cache.chunk_bytes,
+            hdf5_fast_path: self.hdf5.fast_path,
             datasets: self.datasets,
         })
     }

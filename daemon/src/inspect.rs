@@ -86,7 +86,7 @@ fn report(dataset: hdf5::Dataset, path: String, cache: &ChunkCache) -> DatasetRe
         Ok((dtype, descriptor)) if !shape.is_empty() => {
             let read_path = match hdf5::Datatype::from_descriptor(&descriptor)
                 .map_err(|e| e.to_string())
-                .and_then(|mem| FieldReader::new(dataset, dtype, &file_type, mem, cache.new_id()))
+                .and_then(|mem| FieldReader::new(dataset, dtype, &file_type, mem, cache.new_id(), true))
             {
                 Ok(reader) => reader.layout.describe(),
                 Err(e) => format!("cannot read: {e}"),

@@ -135,6 +135,7 @@ impl Daemon {
                     fields: ds.fields.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
                     window: ds.window.map(|w| Window { size: w.size, stride: w.stride }),
                     per_item: ds.per_item.clone(),
+                    fast_path: self.settings.hdf5_fast_path,
                 };
                 (name.clone(), spec, None)
             }
@@ -163,6 +164,7 @@ impl Daemon {
                     fields: fields.clone(),
                     window: window.map(|(size, stride)| Window { size, stride }),
                     per_item: per_item.clone(),
+                    fast_path: self.settings.hdf5_fast_path,
                 };
                 (files.clone(), spec, Some(self.settings.allowed_roots.as_slice()))
             }

@@ -105,6 +105,7 @@ impl FieldReader {
         file_type: &hdf5::Datatype,
         mem_type: hdf5::Datatype,
         cache_id: u64,
+        fast_path: bool,
     ) -> Result<FieldReader, String> {
         let dims: Vec<u64> = dataset.shape().iter().map(|&d| d as u64).collect();
         let elem = dtype.size();
@@ -112,7 +113,9 @@ impl FieldReader {
         let swap = order == ByteOrder::BigEndian && cfg!(target_endian = "little") && elem > 1;
         let raw_ok = dtype != DType::Bool && matches!(order, ByteOrder::LittleEndian | ByteOrder::BigEndian)
             || (dtype != DType::Bool && elem == 1);
-        let layout = if !raw_ok {
+        let layout = if !fast_path {
+            Layout::Library { reason: "fast path disabled ([hdf5] fast_path = false)".into() }
+        } else if !raw_ok {
             Layout::Library { reason: format!("{dtype} stored as an HDF5 enum or with an unusual byte order") }
         } else {
             match dataset.layout() {

@@ -44,6 +44,9 @@ pub struct Hdf5Spec {
     pub window: Option<Window>,
     /// Fields delivered whole per item (`field[item]`) when windowed.
     pub per_item: Vec<String>,
+    /// Read with pread and the Rust decoders where possible; `false` sends
+    /// every read through libhdf5 (for comparison, or to rule the fast path out).
+    pub fast_path: bool,
 }
 
 #[derive(Debug)]
@@ -272,7 +275,8 @@ fn open_file(
             found,
         })?;
         let mem_type = hdf5::Datatype::from_descriptor(&descriptor).map_err(|e| field_err(e.to_string()))?;
-        let reader = FieldReader::new(dataset, dtype, &file_type, mem_type, cache.new_id()).map_err(field_err)?;
+        let reader = FieldReader::new(dataset, dtype, &file_type, mem_type, cache.new_id(), spec.fast_path)
+            .map_err(field_err)?;
         specs.push(FieldSpec { name: name.clone(), origin: h5path.clone(), dtype, shape: sample_shape });
         readers.push(reader);
     }
