@@ -67,6 +67,7 @@ def test_ctrl_c_interrupts_a_wait_and_the_loader_still_works(start_daemon, stoke
         it = iter(loader)
         print("ready", flush=True)
         sys.stdin.readline()
+        print("iterating", flush=True)
         try:
             next(it)
         except KeyboardInterrupt:
@@ -85,7 +86,8 @@ def test_ctrl_c_interrupts_a_wait_and_the_loader_still_works(start_daemon, stoke
         try:
             proc.stdin.write("go\n")
             proc.stdin.flush()
-            time.sleep(0.5)
+            assert proc.stdout.readline().strip() == "iterating"
+            time.sleep(1.0)  # into next(), which cannot return while the daemon is stopped
             proc.send_signal(signal.SIGINT)
             assert proc.stdout.readline().strip() == "interrupted"
         finally:
