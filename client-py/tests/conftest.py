@@ -364,6 +364,22 @@ def start_daemon(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cal
             shutil.rmtree(w, ignore_errors=True)
 
 
+def stop_process(pid: int) -> None:
+    """SIGSTOP `pid` and wait until every thread of it has actually stopped
+    (delivery to a busy multi-threaded process is not instantaneous)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if all(s in "tT" for s in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"daemon {pid} did not stop")
+
+
 class Hung(Exception):
     pass
 

@@ -11,6 +11,8 @@ import time
 
 import numpy as np
 
+from conftest import stop_process
+
 
 def _labels(batches) -> list[int]:
     return [int(v) for b in batches for v in b["label"]]
@@ -78,18 +80,19 @@ def test_ctrl_c_interrupts_a_wait_and_the_loader_still_works(start_daemon, stoke
         """
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         assert proc.stdout.readline().strip() == "ready"
-        os.kill(daemon.proc.pid, signal.SIGSTOP)  # the daemon cannot answer: next() must wait
+        stop_process(daemon.proc.pid)  # the daemon cannot answer: next() must wait
         try:
             proc.stdin.write("go\n")
             proc.stdin.flush()
             assert proc.stdout.readline().strip() == "iterating"
             time.sleep(1.0)  # into next(), which cannot return while the daemon is stopped
             proc.send_signal(signal.SIGINT)
-            assert proc.stdout.readline().strip() == "interrupted"
+            line = proc.stdout.readline().strip()
+            assert line == "interrupted", proc.stderr.read() if proc.poll() is not None else line
         finally:
             os.kill(daemon.proc.pid, signal.SIGCONT)
         proc.stdin.write("go\n")

@@ -22,6 +22,8 @@ import h5py
 import numpy as np
 import pytest
 
+from conftest import stop_process
+
 BATCH = 4
 
 # A training process that takes `hold` batches, keeps them and says READY;
@@ -79,7 +81,7 @@ def block_in_next(d: Any, child: subprocess.Popen[str]) -> None:
     while not filled() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert filled(), f"child's ring never filled: {d.status()}"
-    d.proc.send_signal(signal.SIGSTOP)
+    stop_process(d.proc.pid)
     child.stdin.write("go\n")
     child.stdin.flush()
     # Once it says ITERATING it is about to call next(); give it a moment to
