@@ -182,12 +182,32 @@ impl NativeStream {
         let Some(batch) = wait(py, |interrupted| self.stream.next_interruptible(interrupted))? else {
             return Ok(None);
         };
-        let views: Vec<_> = batch.fields().map(|f| (f.dtype(), f.shape(), f.bytes().as_ptr())).collect();
+        // (dtype, [(shape, pointer)]): one entry for a fixed field, one per row for a ragged one.
+        let mut views = Vec::new();
+        for f in batch.fields() {
+            let parts = if f.is_ragged() {
+                (0..batch.rows())
+                    .map(|i| f.row(i).map(|(shape, bytes)| (shape, bytes.as_ptr())))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| to_py(py, e))?
+            } else {
+                vec![(f.shape(), f.bytes().as_ptr())]
+            };
+            views.push((f.dtype(), f.is_ragged(), parts));
+        }
         let lease = Bound::new(py, Lease { batch })?;
         let out = PyDict::new(py);
-        for ((dtype, shape, ptr), name) in views.into_iter().zip(&self.names) {
-            let array = readonly_array(py, &lease, dtype, &shape, ptr)?;
-            out.set_item(name.bind(py), array)?;
+        for ((dtype, ragged, parts), name) in views.into_iter().zip(&self.names) {
+            if ragged {
+                let list = PyList::empty(py);
+                for (shape, ptr) in parts {
+                    list.append(readonly_array(py, &lease, dtype, &shape, ptr)?)?;
+                }
+                out.set_item(name.bind(py), list)?;
+            } else {
+                let (shape, ptr) = &parts[0];
+                out.set_item(name.bind(py), readonly_array(py, &lease, dtype, shape, *ptr)?)?;
+            }
         }
         Ok(Some(out))
     }

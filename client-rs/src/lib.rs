@@ -278,9 +278,16 @@ impl Batch {
     }
 
     fn view<'a>(&'a self, layout: &'a FieldLayout) -> FieldView<'a> {
+        let mapping = &self.lease.mapping;
         let len = (layout.sample_bytes() * self.rows) as usize;
-        let bytes = self.lease.mapping.slot_bytes(self.lease.slot, layout.offset, len);
-        FieldView { layout, rows: self.rows, bytes }
+        let data_offset = layout.ragged.map_or(layout.offset, |r| r.data_offset);
+        let bytes = mapping.slot_bytes(self.lease.slot, data_offset, len);
+        let shapes = if layout.ragged.is_some() {
+            mapping.slot_bytes(self.lease.slot, layout.offset, layout.shape_table_bytes(self.rows) as usize)
+        } else {
+            &[]
+        };
+        FieldView { layout, rows: self.rows, bytes, shapes }
     }
 }
 
@@ -290,6 +297,8 @@ pub struct FieldView<'a> {
     layout: &'a FieldLayout,
     rows: u64,
     bytes: &'a [u8],
+    /// A ragged field's shape table (native-endian u64 per dimension per row).
+    shapes: &'a [u8],
 }
 
 impl<'a> FieldView<'a> {
@@ -303,18 +312,51 @@ impl<'a> FieldView<'a> {
         self.layout.dtype
     }
 
-    /// Shape including the batch axis.
+    /// Shape including the batch axis (for a ragged field, 0 marks the varying dimensions).
     pub fn shape(&self) -> Vec<u64> {
         std::iter::once(self.rows).chain(self.layout.shape.iter().copied()).collect()
     }
 
-    /// Raw native-endian bytes, C order.
+    /// Whether samples of this field vary in shape (see [`FieldView::row`]).
+    pub fn is_ragged(&self) -> bool {
+        self.layout.ragged.is_some()
+    }
+
+    /// Raw native-endian bytes, C order (for a ragged field: every row's
+    /// reserved region, `row_stride` bytes apart).
     pub fn bytes(&self) -> &'a [u8] {
         self.bytes
     }
 
-    /// Typed elements, or `None` when `T` is not this field's dtype.
+    /// Row `i`'s shape and values (C order, native-endian), for fixed and ragged fields.
+    pub fn row(&self, i: u64) -> Result<(Vec<u64>, &'a [u8])> {
+        if i >= self.rows {
+            return Err(ClientError::Protocol(format!("row {i} of a batch of {}", self.rows)));
+        }
+        let stride = self.layout.sample_bytes();
+        let start = (i * stride) as usize;
+        let shape: Vec<u64> = match self.layout.ragged {
+            None => self.layout.shape.clone(),
+            Some(_) => {
+                let ndim = self.layout.shape.len();
+                self.shapes[i as usize * ndim * 8..(i as usize + 1) * ndim * 8]
+                    .chunks_exact(8)
+                    .map(|b| u64::from_ne_bytes(b.try_into().expect("8 bytes")))
+                    .collect()
+            }
+        };
+        let len = shape.iter().try_fold(self.layout.dtype.size() as u64, |acc, &d| acc.checked_mul(d));
+        match len {
+            Some(len) if len <= stride => Ok((shape, &self.bytes[start..start + len as usize])),
+            _ => Err(ClientError::Protocol(format!(
+                "field {:?} row {i} has shape {shape:?}, larger than its {stride}-byte region",
+                self.layout.name
+            ))),
+        }
+    }
+
+    /// Typed elements, or `None` when `T` is not this field's dtype or the field is ragged.
     pub fn as_slice<T: Element>(&self) -> Option<&'a [T]> {
-        (T::DTYPE == self.layout.dtype).then(|| mapping::cast_slice(self.bytes))
+        (T::DTYPE == self.layout.dtype && !self.is_ragged()).then(|| mapping::cast_slice(self.bytes))
     }
 }

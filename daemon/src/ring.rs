@@ -108,6 +108,16 @@ impl Drop for Claim {
     }
 }
 
+/// Where a source writes one field of one row.
+#[derive(Debug)]
+pub struct FieldOut<'a> {
+    /// The row's bytes: exactly one sample for fixed-shape fields; for a
+    /// ragged field, room for the largest sample allowed (the values go first).
+    pub data: &'a mut [u8],
+    /// For a ragged field, the row's shape, to be filled in (one entry per dimension).
+    pub shape: Option<&'a mut [u64]>,
+}
+
 /// Exclusive write access to some rows of one slot.
 #[derive(Debug)]
 pub struct SlotWriter {
@@ -136,8 +146,8 @@ impl SlotWriter {
         out
     }
 
-    /// The bytes of row `row` (which must be one of this writer's rows) of every field, in layout order.
-    pub fn row_mut(&mut self, row: u64) -> Vec<&mut [u8]> {
+    /// Row `row` (which must be one of this writer's rows) of every field, in layout order.
+    pub fn row_mut(&mut self, row: u64) -> Vec<FieldOut<'_>> {
         assert!(self.rows.contains(&row), "row {row} outside this writer's rows {:?}", self.rows);
         let ring = &self.claim.ring;
         let slot = ring.layout.slot_offset(self.claim.slot);
@@ -146,7 +156,14 @@ impl SlotWriter {
             .iter()
             .map(|field| {
                 let len = field.sample_bytes() as usize;
-                let start = (slot + field.offset + row * len as u64) as usize;
+                let (start, shape_at) = match field.ragged {
+                    Some(r) => {
+                        let ndim = field.shape.len() as u64;
+                        (slot + r.data_offset + row * len as u64, Some(slot + field.offset + row * ndim * 8))
+                    }
+                    None => (slot + field.offset + row * len as u64, None),
+                };
+                let start = start as usize;
                 assert!(start + len <= ring.map.len(), "layout keeps samples inside the ring");
                 // SAFETY: the range is inside the mapping (asserted above) and
                 // fields occupy disjoint ranges of a slot (BatchLayout::new), so
@@ -157,7 +174,19 @@ impl SlotWriter {
                 // `self` mutably, so one writer cannot hand them out twice.
                 // The client maps the memfd read-only and, by protocol, reads
                 // only slots it was handed after their writers were dropped.
-                unsafe { std::slice::from_raw_parts_mut(ring.base.add(start), len) }
+                let data = unsafe { std::slice::from_raw_parts_mut(ring.base.add(start), len) };
+                let shape = shape_at.map(|at| {
+                    let at = at as usize;
+                    let ndim = field.shape.len();
+                    assert!(at + ndim * 8 <= ring.map.len() && at % 8 == 0, "shape tables are aligned and in the ring");
+                    // SAFETY: as for `data`: the row's entry of the field's
+                    // shape table is in bounds (asserted), 8-byte aligned
+                    // (tables start at 64-byte-aligned offsets), disjoint
+                    // from every other slice handed out, and any bit
+                    // pattern is a valid u64.
+                    unsafe { std::slice::from_raw_parts_mut(ring.base.add(at).cast::<u64>(), ndim) }
+                });
+                FieldOut { data, shape }
             })
             .collect()
     }
@@ -166,10 +195,11 @@ impl SlotWriter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stoker_proto::DType;
+    use stoker_proto::{DType, FieldDecl};
 
     fn ring() -> Arc<Ring> {
-        let layout = BatchLayout::new(4, [("x".to_string(), DType::U32, vec![3])]);
+        let decl = FieldDecl { name: "x".into(), dtype: DType::U32, shape: vec![3], max_sample_bytes: None };
+        let layout = BatchLayout::new(4, [decl]);
         Ring::create("test", &layout, 2).unwrap()
     }
 
@@ -208,7 +238,7 @@ mod tests {
     fn writes_land_in_the_right_place() {
         let ring = ring();
         let mut w = ring.writer(1, 0..4).unwrap();
-        w.row_mut(2)[0].copy_from_slice(&[7u8; 12]);
+        w.row_mut(2)[0].data.copy_from_slice(&[7u8; 12]);
         let layout = &ring.layout;
         let at = (layout.slot_offset(1) + 2 * 12) as usize;
         assert_eq!(&ring.map[at..at + 12], &[7u8; 12]);

@@ -493,10 +493,7 @@ impl Connection {
                 format!("step {} is past the end of the epoch ({} batches)", open.step, sampler.batches_per_epoch()),
             ));
         }
-        let layout = BatchLayout::new(
-            open.batch_size,
-            source.fields().iter().map(|f| (f.name.clone(), f.dtype, f.shape.clone())),
-        );
+        let layout = BatchLayout::new(open.batch_size, source.fields().iter().map(|f| f.decl()));
         let depth = self.daemon.settings.ring_depth;
         let held: u64 = self.streams.values().map(|s| s.ring().bytes()).sum();
         let want = layout.ring_bytes(depth);

@@ -6,6 +6,12 @@
 //! [`BatchLayout::slot_bytes`] each. Inside a slot the layout is field-major:
 //! each field is one C-contiguous `[batch_size, *shape]` array starting at a
 //! [`FIELD_ALIGN`]-aligned offset, so it becomes a numpy array without a copy.
+//!
+//! A *ragged* field (samples of varying shape, e.g. decoded images of
+//! different sizes) instead holds, at its offset, a table of `batch_size ×
+//! ndim` native-endian `u64` per-row shapes, then (at [`Ragged::data_offset`])
+//! one [`Ragged::row_stride`]-byte region per row whose first
+//! `prod(shape) · dtype.size()` bytes are the row's C-contiguous values.
 
 use serde::{Deserialize, Serialize};
 
@@ -92,16 +98,51 @@ pub struct FieldLayout {
     pub name: String,
     /// Element type.
     pub dtype: DType,
-    /// Shape of one sample of this field (without the batch axis).
+    /// Shape of one sample of this field (without the batch axis); for a
+    /// ragged field, 0 marks a dimension that varies from sample to sample.
     pub shape: Vec<u64>,
-    /// Byte offset of the field's first sample from the start of the slot.
+    /// Byte offset of the field's first sample (ragged: of its shape table) from the start of the slot.
     pub offset: u64,
+    /// Where a ragged field's rows lie; `None` for fixed-shape fields.
+    pub ragged: Option<Ragged>,
+}
+
+/// Placement of a ragged field's rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ragged {
+    /// Byte offset of row 0's values from the start of the slot.
+    pub data_offset: u64,
+    /// Bytes reserved per row (a multiple of [`FIELD_ALIGN`]).
+    pub row_stride: u64,
+}
+
+/// A field to lay out: name, dtype, sample shape, and for a ragged field the
+/// most bytes one sample may take.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldDecl {
+    /// Field name.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Sample shape (0 for dimensions that vary, when ragged).
+    pub shape: Vec<u64>,
+    /// `Some(max bytes per sample)` makes the field ragged.
+    pub max_sample_bytes: Option<u64>,
 }
 
 impl FieldLayout {
-    /// Bytes of one sample of this field.
+    /// Bytes one row of this field occupies in the slot: the sample size, or a
+    /// ragged field's per-row capacity.
     pub fn sample_bytes(&self) -> u64 {
-        self.shape.iter().product::<u64>() * self.dtype.size() as u64
+        match self.ragged {
+            Some(r) => r.row_stride,
+            None => self.shape.iter().product::<u64>() * self.dtype.size() as u64,
+        }
+    }
+
+    /// Bytes of a ragged field's shape table for `batch_size` rows.
+    pub fn shape_table_bytes(&self, batch_size: u64) -> u64 {
+        if self.ragged.is_some() { batch_size * self.shape.len() as u64 * 8 } else { 0 }
     }
 }
 
@@ -117,14 +158,25 @@ pub struct BatchLayout {
 }
 
 impl BatchLayout {
-    /// Lays out `fields` (name, dtype, sample shape) field-major for `batch_size` rows.
-    pub fn new(batch_size: u64, fields: impl IntoIterator<Item = (String, DType, Vec<u64>)>) -> Self {
+    /// Lays out `fields` field-major for `batch_size` rows.
+    pub fn new(batch_size: u64, fields: impl IntoIterator<Item = FieldDecl>) -> Self {
         let mut offset = 0u64;
         let fields = fields
             .into_iter()
-            .map(|(name, dtype, shape)| {
-                let field = FieldLayout { name, dtype, shape, offset };
-                offset = (offset + field.sample_bytes() * batch_size).next_multiple_of(FIELD_ALIGN);
+            .map(|decl| {
+                let ragged = decl.max_sample_bytes.map(|max| {
+                    let table = batch_size * decl.shape.len() as u64 * 8;
+                    Ragged {
+                        data_offset: (offset + table).next_multiple_of(FIELD_ALIGN),
+                        row_stride: max.max(1).next_multiple_of(FIELD_ALIGN),
+                    }
+                });
+                let field = FieldLayout { name: decl.name, dtype: decl.dtype, shape: decl.shape, offset, ragged };
+                let end = match ragged {
+                    Some(r) => r.data_offset + r.row_stride * batch_size,
+                    None => offset + field.sample_bytes() * batch_size,
+                };
+                offset = end.next_multiple_of(FIELD_ALIGN);
                 field
             })
             .collect();
@@ -153,19 +205,33 @@ mod tests {
 
     #[test]
     fn fields_are_aligned_and_disjoint() {
+        let decl = |name: &str, dtype, shape: Vec<u64>, max| FieldDecl {
+            name: name.into(),
+            dtype,
+            shape,
+            max_sample_bytes: max,
+        };
         let layout = BatchLayout::new(
             3,
             [
-                ("a".to_string(), DType::U8, vec![5]),
-                ("b".to_string(), DType::F64, vec![2, 2]),
-                ("c".to_string(), DType::Bool, vec![]),
+                decl("a", DType::U8, vec![5], None),
+                decl("b", DType::F64, vec![2, 2], None),
+                decl("img", DType::U8, vec![0, 0, 3], Some(1000)),
+                decl("c", DType::Bool, vec![], None),
             ],
         );
         let mut end = 0;
         for f in &layout.fields {
             assert_eq!(f.offset % FIELD_ALIGN, 0);
             assert!(f.offset >= end);
-            end = f.offset + f.sample_bytes() * 3;
+            end = match f.ragged {
+                Some(r) => {
+                    assert!(r.data_offset >= f.offset + f.shape_table_bytes(3));
+                    assert_eq!((r.data_offset % FIELD_ALIGN, r.row_stride), (0, 1024));
+                    r.data_offset + r.row_stride * 3
+                }
+                None => f.offset + f.sample_bytes() * 3,
+            };
         }
         assert!(end <= layout.slot_bytes);
         assert_eq!(layout.slot_bytes % SLOT_ALIGN, 0);

@@ -12,7 +12,8 @@ mod layout;
 mod message;
 
 pub use layout::{
-    BatchLayout, DType, FIELD_ALIGN, FieldLayout, RING_HEADER_BYTES, RING_LAYOUT_VERSION, RING_MAGIC, SLOT_ALIGN,
+    BatchLayout, DType, FIELD_ALIGN, FieldDecl, FieldLayout, RING_HEADER_BYTES, RING_LAYOUT_VERSION, RING_MAGIC,
+    Ragged, SLOT_ALIGN,
 };
 pub use message::{
     BatchReady, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, ErrorKind, OpenStream, Request, Response,

@@ -17,16 +17,25 @@ pub struct FieldSpec {
     pub origin: String,
     /// Element type delivered.
     pub dtype: DType,
-    /// Shape of one sample.
+    /// Shape of one sample; 0 marks a dimension that varies (ragged fields).
     pub shape: Vec<u64>,
+    /// `Some(most bytes one sample may take)` for a ragged (variable-shape) field.
+    pub max_sample_bytes: Option<u64>,
 }
 
 impl FieldSpec {
-    /// Bytes of one sample.
-    pub fn sample_bytes(&self) -> usize {
-        self.shape.iter().product::<u64>() as usize * self.dtype.size()
+    /// The field as the batch layout needs it.
+    pub fn decl(&self) -> stoker_proto::FieldDecl {
+        stoker_proto::FieldDecl {
+            name: self.name.clone(),
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            max_sample_bytes: self.max_sample_bytes,
+        }
     }
 }
+
+pub use crate::ring::FieldOut;
 
 /// Which sample to produce, and the context that randomized steps are keyed by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,9 +61,10 @@ pub trait Source: Send + Sync + std::fmt::Debug {
     /// Fields in delivery order.
     fn fields(&self) -> &[FieldSpec];
 
-    /// Writes every field of `sample` into `out` (one slice per field, each
-    /// exactly that field's `sample_bytes`).
-    fn read_sample(&self, sample: SampleRef, out: &mut [&mut [u8]]) -> Result<(), SourceError>;
+    /// Writes every field of `sample` into `out` (one entry per field, in
+    /// field order): a fixed-shape field fills `data` exactly; a ragged field
+    /// writes its values at the start of `data` and its shape into `shape`.
+    fn read_sample(&self, sample: SampleRef, out: &mut [FieldOut<'_>]) -> Result<(), SourceError>;
 }
 
 /// Errors opening a dataset or reading a sample; each names the file and field involved.

@@ -21,7 +21,7 @@ use hdf5::types::{FloatSize, IntSize, TypeDescriptor};
 use stoker_proto::DType;
 
 use self::field::FieldReader;
-use super::{FieldSpec, SampleRef, Source, SourceError};
+use super::{FieldOut, FieldSpec, SampleRef, Source, SourceError};
 use crate::cache::ChunkCache;
 
 /// A window along axis 1: samples are `size` consecutive steps, `stride` apart.
@@ -161,7 +161,7 @@ impl Source for Hdf5Source {
         &self.fields
     }
 
-    fn read_sample(&self, sample: SampleRef, out: &mut [&mut [u8]]) -> Result<(), SourceError> {
+    fn read_sample(&self, sample: SampleRef, out: &mut [FieldOut<'_>]) -> Result<(), SourceError> {
         let index = sample.index;
         let file_idx = self.starts.partition_point(|&s| s <= index) - 1;
         let file = &self.files[file_idx];
@@ -179,13 +179,15 @@ impl Source for Hdf5Source {
                 start[1] = step * w.stride;
                 count[1] = w.size;
             }
-            reader.read_block(&file.raw, &self.cache, &start, &count, dst).map_err(|message| SourceError::Read {
-                path: file.path.clone(),
-                field: spec.name.clone(),
-                h5path: spec.origin.clone(),
-                index,
-                row: item,
-                message,
+            reader.read_block(&file.raw, &self.cache, &start, &count, dst.data).map_err(|message| {
+                SourceError::Read {
+                    path: file.path.clone(),
+                    field: spec.name.clone(),
+                    h5path: spec.origin.clone(),
+                    index,
+                    row: item,
+                    message,
+                }
             })?;
         }
         Ok(())
@@ -283,7 +285,13 @@ fn open_file(
         let mem_type = hdf5::Datatype::from_descriptor(&descriptor).map_err(|e| field_err(e.to_string()))?;
         let reader = FieldReader::new(dataset, dtype, &file_type, mem_type, cache.new_id(), spec.fast_path)
             .map_err(field_err)?;
-        specs.push(FieldSpec { name: name.clone(), origin: h5path.clone(), dtype, shape: sample_shape });
+        specs.push(FieldSpec {
+            name: name.clone(),
+            origin: h5path.clone(),
+            dtype,
+            shape: sample_shape,
+            max_sample_bytes: None,
+        });
         readers.push(reader);
     }
     let items = items.map_or(0, |(len, _)| len);
