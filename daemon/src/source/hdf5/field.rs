@@ -226,7 +226,7 @@ impl FieldReader {
         let what = || format!("chunk at {chunk_start:?} (file offset {addr}, {} bytes stored)", loc.size);
         scratch.resize(loc.size as usize, 0);
         file.read_exact_at(scratch, addr).map_err(|e| format!("{}: read failed: {e}", what()))?;
-        let decoded: Arc<[u8]> = if c.filters.is_empty() || loc.filter_mask.count_ones() as usize >= c.filters.len() {
+        let decoded: Arc<[u8]> = if c.filters.is_empty() {
             if scratch.len() != c.chunk_bytes {
                 return Err(format!("{}: expected {} bytes of unfiltered data", what(), c.chunk_bytes));
             }
