@@ -28,7 +28,7 @@ pub struct ChunkCache {
 
 #[derive(Debug)]
 struct Inner {
-    map: LruCache<ChunkKey, Arc<[u8]>>,
+    map: LruCache<ChunkKey, Arc<Vec<u8>>>,
     bytes: usize,
 }
 
@@ -65,7 +65,7 @@ impl ChunkCache {
     }
 
     /// The chunk, if cached.
-    pub fn get(&self, key: &ChunkKey) -> Option<Arc<[u8]>> {
+    pub fn get(&self, key: &ChunkKey) -> Option<Arc<Vec<u8>>> {
         let hit = self.lock().map.get(key).cloned();
         let counter = if hit.is_some() { &self.hits } else { &self.misses };
         counter.fetch_add(1, Ordering::Relaxed);
@@ -73,7 +73,7 @@ impl ChunkCache {
     }
 
     /// Caches a decoded chunk, evicting the least recently used ones to stay within capacity.
-    pub fn insert(&self, key: ChunkKey, data: Arc<[u8]>) {
+    pub fn insert(&self, key: ChunkKey, data: Arc<Vec<u8>>) {
         if data.len() > self.capacity {
             return;
         }
@@ -115,15 +115,15 @@ mod tests {
     fn stays_within_capacity_evicting_least_recent() {
         let cache = ChunkCache::new(10);
         let key = |chunk| ChunkKey { field: 1, chunk };
-        cache.insert(key(0), Arc::from(vec![0u8; 4]));
-        cache.insert(key(1), Arc::from(vec![1u8; 4]));
+        cache.insert(key(0), Arc::new(vec![0u8; 4]));
+        cache.insert(key(1), Arc::new(vec![1u8; 4]));
         assert!(cache.get(&key(0)).is_some()); // 0 is now more recent than 1
-        cache.insert(key(2), Arc::from(vec![2u8; 4]));
+        cache.insert(key(2), Arc::new(vec![2u8; 4]));
         assert!(cache.get(&key(1)).is_none());
         assert!(cache.get(&key(0)).is_some() && cache.get(&key(2)).is_some());
         let stats = cache.stats();
         assert_eq!((stats.bytes, stats.entries), (8, 2));
-        cache.insert(key(3), Arc::from(vec![3u8; 11])); // larger than the whole cache: not kept
+        cache.insert(key(3), Arc::new(vec![3u8; 11])); // larger than the whole cache: not kept
         assert!(cache.get(&key(3)).is_none());
     }
 }

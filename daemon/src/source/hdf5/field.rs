@@ -5,10 +5,12 @@
 //! - **contiguous**: `pread` at the dataset's file offset, outside libhdf5's
 //!   global lock;
 //! - **chunked**: chunk addresses are looked up through libhdf5 once per chunk
-//!   (`H5Dget_chunk_info_by_coord`, cached), the stored bytes are read with
-//!   `pread` and decoded by [`crate::filter`] on the calling worker thread,
-//!   outside the lock; decoded chunks go through the node-wide
-//!   [`ChunkCache`]; never-written chunks produce the fill value;
+//!   (`H5Dget_chunk_info_by_coord`, remembered). Unfiltered chunks: only the
+//!   runs the block needs are `pread` straight into place. Filtered chunks:
+//!   the stored bytes are read whole and decoded by [`crate::filter`] on the
+//!   calling worker thread, outside the lock, and kept in the node-wide
+//!   [`ChunkCache`] for the chunk's other samples. Never-written chunks
+//!   produce the fill value;
 //! - **library**: `H5Dread` of a hyperslab under the lock, for everything the
 //!   fast paths do not handle (compact and virtual layouts, bool/enum types,
 //!   filters the fast path lacks). Logged once per field with the reason.
@@ -185,12 +187,30 @@ impl FieldReader {
         let first: Vec<u64> = (0..rank).map(|a| start[a] / c.chunk[a]).collect();
         let last: Vec<u64> = (0..rank).map(|a| (start[a] + count[a] - 1) / c.chunk[a]).collect();
         let mut grid_pos = first.clone();
-        let mut scratch = Vec::new();
         loop {
             let linear = grid_pos.iter().zip(&c.grid).fold(0u64, |acc, (&g, &n)| acc * n + g);
             let chunk_start: Vec<u64> = (0..rank).map(|a| grid_pos[a] * c.chunk[a]).collect();
-            let data = self.chunk(c, file, cache, linear, &chunk_start, &mut scratch)?;
-            copy_region(c, self.elem, &chunk_start, start, count, data.as_deref(), &c.fill, dst);
+            if c.filters.is_empty() {
+                // Unfiltered: read just the runs needed, straight into place.
+                let loc = self.location(c, linear, &chunk_start)?;
+                let what = |e| format!("chunk at {chunk_start:?}: read failed: {e}");
+                let from = match loc.addr {
+                    Some(addr) if loc.size as usize == c.chunk_bytes => ChunkBytes::File { file, addr },
+                    Some(_) => {
+                        return Err(format!(
+                            "chunk at {chunk_start:?}: {} bytes stored, expected {}",
+                            loc.size, c.chunk_bytes
+                        ));
+                    }
+                    None => ChunkBytes::Fill(&c.fill),
+                };
+                copy_region(c, self.elem, &chunk_start, start, count, from, dst).map_err(what)?;
+            } else {
+                let data = self.decoded_chunk(c, file, cache, linear, &chunk_start)?;
+                let from = data.as_deref().map_or(ChunkBytes::Fill(&c.fill), |d| ChunkBytes::Memory(d));
+                copy_region(c, self.elem, &chunk_start, start, count, from, dst)
+                    .expect("copies from memory cannot fail");
+            }
             // Next chunk position (odometer over the grid range).
             let mut a = rank;
             loop {
@@ -207,16 +227,15 @@ impl FieldReader {
         }
     }
 
-    /// The decoded bytes of one chunk, or `None` if it was never written.
-    fn chunk(
+    /// The decoded bytes of one filtered chunk (cached), or `None` if it was never written.
+    fn decoded_chunk(
         &self,
         c: &Chunked,
         file: &File,
         cache: &ChunkCache,
         linear: u64,
         chunk_start: &[u64],
-        scratch: &mut Vec<u8>,
-    ) -> Result<Option<Arc<[u8]>>, String> {
+    ) -> Result<Option<Arc<Vec<u8>>>, String> {
         let key = ChunkKey { field: self.cache_id, chunk: linear };
         if let Some(hit) = cache.get(&key) {
             return Ok(Some(hit));
@@ -224,19 +243,12 @@ impl FieldReader {
         let loc = self.location(c, linear, chunk_start)?;
         let Some(addr) = loc.addr else { return Ok(None) };
         let what = || format!("chunk at {chunk_start:?} (file offset {addr}, {} bytes stored)", loc.size);
-        scratch.resize(loc.size as usize, 0);
-        file.read_exact_at(scratch, addr).map_err(|e| format!("{}: read failed: {e}", what()))?;
-        let decoded: Arc<[u8]> = if c.filters.is_empty() {
-            if scratch.len() != c.chunk_bytes {
-                return Err(format!("{}: expected {} bytes of unfiltered data", what(), c.chunk_bytes));
-            }
-            Arc::from(&scratch[..])
-        } else {
-            let mut out = Vec::new();
-            filter::decode_chunk(&c.filters, loc.filter_mask, scratch, self.elem, c.chunk_bytes, &mut out)
-                .map_err(|e| format!("{}: {e}; the file may be corrupt (h5py/h5dump will fail on it too)", what()))?;
-            Arc::from(out)
-        };
+        let mut stored = vec![0u8; loc.size as usize];
+        file.read_exact_at(&mut stored, addr).map_err(|e| format!("{}: read failed: {e}", what()))?;
+        let mut out = Vec::new();
+        filter::decode_chunk(&c.filters, loc.filter_mask, &stored, self.elem, c.chunk_bytes, &mut out)
+            .map_err(|e| format!("{}: {e}; the file may be corrupt (h5py/h5dump will fail on it too)", what()))?;
+        let decoded = Arc::new(out);
         cache.insert(key, decoded.clone());
         Ok(Some(decoded))
     }
@@ -322,19 +334,28 @@ impl FieldReader {
     }
 }
 
+/// Where a chunk's decoded bytes come from.
+#[derive(Clone, Copy)]
+enum ChunkBytes<'a> {
+    /// Decoded in memory.
+    Memory(&'a [u8]),
+    /// Stored unfiltered in the file at `addr`.
+    File { file: &'a File, addr: u64 },
+    /// Never written: every element is this fill value.
+    Fill(&'a [u8]),
+}
+
 /// Copies the part of the block (`start`, `count`) that lies in the chunk at
-/// `chunk_start` from the decoded chunk (or the fill value) into `dst`.
-#[allow(clippy::too_many_arguments)]
+/// `chunk_start` into `dst`, in runs as long as both layouts allow.
 fn copy_region(
     c: &Chunked,
     elem: usize,
     chunk_start: &[u64],
     start: &[u64],
     count: &[u64],
-    chunk: Option<&[u8]>,
-    fill: &[u8],
+    from: ChunkBytes<'_>,
     dst: &mut [u8],
-) {
+) -> std::io::Result<()> {
     let rank = c.chunk.len();
     let lo: Vec<u64> = (0..rank).map(|a| start[a].max(chunk_start[a])).collect();
     let hi: Vec<u64> = (0..rank).map(|a| (start[a] + count[a]).min(chunk_start[a] + c.chunk[a])).collect();
@@ -366,9 +387,10 @@ fn copy_region(
             out += (pos[a] - start[a]) * block_strides[a];
         }
         let target = &mut dst[out as usize..out as usize + run];
-        match chunk {
-            Some(data) => target.copy_from_slice(&data[src as usize..src as usize + run]),
-            None => {
+        match from {
+            ChunkBytes::Memory(data) => target.copy_from_slice(&data[src as usize..src as usize + run]),
+            ChunkBytes::File { file, addr } => file.read_exact_at(target, addr + src)?,
+            ChunkBytes::Fill(fill) => {
                 for element in target.chunks_exact_mut(elem) {
                     element.copy_from_slice(fill);
                 }
@@ -377,7 +399,7 @@ fn copy_region(
         let mut a = split;
         loop {
             if a == 0 {
-                return;
+                return Ok(());
             }
             a -= 1;
             if pos[a] + 1 < hi[a] {
