@@ -3,6 +3,7 @@
 //! `main.rs` only parses flags and calls into this crate.
 
 pub mod cli;
+pub mod codec;
 pub mod config;
 pub mod ring;
 pub mod sampler;
