@@ -10,3 +10,4 @@ pub mod sampler;
 pub mod server;
 pub mod source;
 pub mod stream;
+pub mod transform;
