@@ -38,9 +38,9 @@ use heed::{CommitOrAbort, Database, Env, EnvFlags, EnvOpenOptions, RoTxn, Withou
 use regex::bytes::Regex;
 use stoker_proto::DType;
 
-use super::{FieldSpec, SampleRef, Source, SourceError};
+use super::{FieldSpec, LmdbReadError, SampleRef, Source, SourceError};
 use crate::codec::{AlignedBuf, ArrayInfo, Codec, CodecError};
-use crate::transform::{self, Chain, Pair, SampleKey, Step};
+use crate::transform::{self, ArrayRef, Chain, Pair, SampleKey, Step};
 
 /// How many keys are probed at open unless the spec says otherwise.
 pub const DEFAULT_PROBE: usize = 8;
@@ -381,18 +381,12 @@ impl LmdbSource {
                 }
             }
         }
-        let first = first_error.expect("at least one attempt failed");
-        Err(match first {
-            SourceError::LmdbRead { env, key, field, codec, index, message } => SourceError::LmdbRead {
-                env,
-                key,
-                field,
-                codec,
-                index,
-                message: format!("{message} (on_error = skip, but the next {} samples failed too)", attempts - 1),
-            },
-            other => other,
-        })
+        let mut first = first_error.expect("at least one attempt failed");
+        if let SourceError::LmdbRead(read) = &mut first {
+            read.message =
+                format!("{} (on_error = skip, but the next {} samples failed too)", read.message, attempts - 1);
+        }
+        Err(first)
     }
 
     fn read_index(&self, sample: SampleRef, out: &mut [FieldOut<'_>]) -> Result<(), SourceError> {
@@ -408,13 +402,15 @@ impl LmdbSource {
             .envs
             .iter()
             .map(|env| {
-                env.env.read_txn().map_err(|e| SourceError::LmdbRead {
-                    env: env.path.clone(),
-                    key: show_key(key),
-                    field: String::new(),
-                    codec: String::new(),
-                    index: sample.index,
-                    message: format!("cannot begin a read transaction: {e}"),
+                env.env.read_txn().map_err(|e| {
+                    SourceError::LmdbRead(Box::new(LmdbReadError {
+                        env: env.path.clone(),
+                        key: show_key(key),
+                        field: String::new(),
+                        codec: String::new(),
+                        index: sample.index,
+                        message: format!("cannot begin a read transaction: {e}"),
+                    }))
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -442,13 +438,15 @@ impl LmdbSource {
     ) -> Result<(), SourceError> {
         let plan = &self.plans[i];
         let env = &self.envs[plan.env];
-        let err = |message: String| SourceError::LmdbRead {
-            env: env.path.clone(),
-            key: show_key(key),
-            field: plan.name.clone(),
-            codec: plan.codec.to_string(),
-            index: sample.index,
-            message,
+        let err = |message: String| {
+            SourceError::LmdbRead(Box::new(LmdbReadError {
+                env: env.path.clone(),
+                key: show_key(key),
+                field: plan.name.clone(),
+                codec: plan.codec.to_string(),
+                index: sample.index,
+                message,
+            }))
         };
         let value = env
             .db
@@ -501,7 +499,13 @@ impl LmdbSource {
         let key = SampleKey { seed: sample.seed, epoch: sample.epoch, index: sample.index };
         let apply = |dst: &mut [u8], transform: &mut transform::Scratch| {
             chain
-                .apply(decoded.as_slice(), info.dtype, &info.shape, key, leader_shape, transform, dst)
+                .apply(
+                    ArrayRef { bytes: decoded.as_slice(), dtype: info.dtype, shape: &info.shape },
+                    key,
+                    leader_shape,
+                    transform,
+                    dst,
+                )
                 .map_err(|e| err(e.to_string()))
         };
         match out {
@@ -557,8 +561,6 @@ struct SharedEnv {
     path: PathBuf,
     env: Env<WithoutTls>,
     db: Database<'static, Bytes, Bytes>,
-    /// All keys, collected on first use.
-    keys: Mutex<Option<Arc<Keys>>>,
 }
 
 impl fmt::Debug for SharedEnv {
@@ -623,40 +625,20 @@ impl SharedEnv {
             .map_err(|e| open_err(e.to_string()))?
             .unwrap_commit()
             .ok_or_else(|| open_err("has no main database".into()))?;
-        let shared = Arc::new(SharedEnv { path: path.to_owned(), env, db, keys: Mutex::new(None) });
+        let shared = Arc::new(SharedEnv { path: path.to_owned(), env, db });
         open.insert(canonical, Arc::downgrade(&shared));
         Ok(shared)
     }
 
-    /// Every key, in LMDB order, collected once.
-    fn all_keys(&self) -> Result<Arc<Keys>, SourceError> {
-        let mut cached = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(keys) = &*cached {
-            return Ok(keys.clone());
-        }
-        let err =
-            |e: heed::Error| SourceError::LmdbOpen { env: self.path.clone(), message: format!("listing keys: {e}") };
-        let rtxn = self.env.read_txn().map_err(err)?;
-        let mut keys = Keys::default();
-        for entry in self.db.lazily_decode_data().iter(&rtxn).map_err(err)? {
-            let (key, _) = entry.map_err(err)?;
-            keys.push(key);
-        }
-        let keys = Arc::new(keys);
-        *cached = Some(keys.clone());
-        Ok(keys)
-    }
-
-    /// The keys `filter` keeps.
+    /// The keys `filter` keeps, in LMDB order.
     fn keys(&self, filter: &KeyFilter) -> Result<Keys, SourceError> {
-        let all = self.all_keys()?;
         let regex = |pattern: &str| {
             Regex::new(pattern).map_err(|e| SourceError::LmdbOpen {
                 env: self.path.clone(),
                 message: format!("invalid key regex {pattern:?}: {e}"),
             })
         };
-        let keep: Box<dyn Fn(&[u8]) -> bool> = match filter {
+        let keep: KeyTest = match filter {
             KeyFilter::SkipMetadata => Box::new(|k| !is_metadata_key(k)),
             KeyFilter::All => Box::new(|_| true),
             KeyFilter::Prefix(prefix) => {
@@ -672,12 +654,20 @@ impl SharedEnv {
                 Box::new(move |k| !re.is_match(k))
             }
         };
-        let mut keys = Keys::default();
-        for key in all.iter().filter(|k| keep(k)) {
-            keys.push(key);
+        let err =
+            |e: heed::Error| SourceError::LmdbOpen { env: self.path.clone(), message: format!("listing keys: {e}") };
+        let rtxn = self.env.read_txn().map_err(err)?;
+        let (mut keys, mut dropped) = (Keys::default(), 0u64);
+        for entry in self.db.lazily_decode_data().iter(&rtxn).map_err(err)? {
+            let (key, _) = entry.map_err(err)?;
+            if keep(key) {
+                keys.push(key);
+            } else {
+                dropped += 1;
+            }
         }
-        if keys.len() < all.len() {
-            tracing::info!(env = %self.path.display(), kept = keys.len(), dropped = all.len() - keys.len(), ?filter, "LMDB key filter");
+        if dropped > 0 {
+            tracing::info!(env = %self.path.display(), kept = keys.len(), dropped, ?filter, "LMDB key filter");
         }
         Ok(keys)
     }
@@ -725,13 +715,15 @@ fn probe_field(
     let mut merged: Option<(DType, Vec<Option<u64>>, String)> = None;
     for index in 0..probe {
         let key = keys.get(index);
-        let read_err = |message: String| SourceError::LmdbRead {
-            env: field.env.clone(),
-            key: show_key(key),
-            field: field.name.clone(),
-            codec: field.codec.to_string(),
-            index: index as u64,
-            message,
+        let read_err = |message: String| {
+            SourceError::LmdbRead(Box::new(LmdbReadError {
+                env: field.env.clone(),
+                key: show_key(key),
+                field: field.name.clone(),
+                codec: field.codec.to_string(),
+                index: index as u64,
+                message,
+            }))
         };
         let probed = env
             .db
@@ -770,6 +762,9 @@ fn probe_field(
         merged.ok_or_else(|| field_err(format!("none of the first {probe} values could be decoded")))?;
     Ok((dtype, shape))
 }
+
+/// A predicate on keys.
+type KeyTest = Box<dyn Fn(&[u8]) -> bool>;
 
 /// Whether `key` looks like metadata a dataset writer added beside the samples.
 fn is_metadata_key(key: &[u8]) -> bool {

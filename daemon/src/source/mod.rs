@@ -193,22 +193,9 @@ pub enum SourceError {
         /// Keys in the dataset.
         total: u64,
     },
-    /// Reading or decoding one value of an LMDB dataset failed.
-    #[error("LMDB {env}: key {key:?}, field {field:?}, codec {codec}, sample {index}: {message}")]
-    LmdbRead {
-        /// The environment.
-        env: PathBuf,
-        /// The sample's key (bytes shown escaped).
-        key: String,
-        /// Field name.
-        field: String,
-        /// The field's codec.
-        codec: String,
-        /// Dataset index.
-        index: u64,
-        /// What failed.
-        message: String,
-    },
+    /// Reading or decoding one value of an LMDB dataset failed (boxed to keep errors small).
+    #[error("{0}")]
+    LmdbRead(Box<LmdbReadError>),
     /// Reading a sample failed.
     #[error("{path}: field {field:?} ({h5path:?}), sample {index} (row {row} of the file): {message}")]
     Read {
@@ -225,4 +212,22 @@ pub enum SourceError {
         /// What failed.
         message: String,
     },
+}
+
+/// Where and why reading one value of an LMDB dataset failed.
+#[derive(Debug, thiserror::Error)]
+#[error("LMDB {env}: key {key:?}, field {field:?}, codec {codec}, sample {index}: {message}")]
+pub struct LmdbReadError {
+    /// The environment.
+    pub env: PathBuf,
+    /// The sample's key (bytes shown escaped when not UTF-8).
+    pub key: String,
+    /// Field name.
+    pub field: String,
+    /// The field's codec.
+    pub codec: String,
+    /// Dataset index.
+    pub index: u64,
+    /// What failed.
+    pub message: String,
 }

@@ -91,6 +91,17 @@ pub struct Pair {
     pub scale: u64,
 }
 
+/// A decoded array a chain reads: C-ordered, native-endian bytes of `dtype` and `shape`.
+#[derive(Debug, Clone, Copy)]
+pub struct ArrayRef<'a> {
+    /// The elements.
+    pub bytes: &'a [u8],
+    /// Element type.
+    pub dtype: DType,
+    /// `[h, w]` or `[h, w, c]`.
+    pub shape: &'a [u64],
+}
+
 /// Which sample a chain runs for; the key of every random draw.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SampleKey {
@@ -150,10 +161,10 @@ impl Chain {
             match step {
                 Step::CenterCrop { height, width }
                 | Step::RandomCrop { height, width }
-                | Step::Resize { height, width, .. } => {
-                    if *height == 0 || *width == 0 {
-                        return Err(invalid(format!("{step:?} has a zero size")));
-                    }
+                | Step::Resize { height, width, .. }
+                    if *height == 0 || *width == 0 =>
+                {
+                    return Err(invalid(format!("{step:?} has a zero size")));
                 }
                 Step::Normalize { mean, std } => {
                     if mean.is_empty() || mean.len() != std.len() {
@@ -296,21 +307,20 @@ impl Chain {
         Ok((dtype_out, shape))
     }
 
-    /// Runs the chain on `input` (`dtype`, `shape`, C order) and writes the
+    /// Runs the chain on `input` and writes the
     /// result into `dst`, which must hold exactly the output's bytes.
     ///
     /// A paired chain is given the leader field's input shape for this sample
     /// (`leader_shape`): its own input must be `scale` times as high and wide.
     pub fn apply(
         &self,
-        input: &[u8],
-        dtype: DType,
-        shape: &[u64],
+        input: ArrayRef<'_>,
         key: SampleKey,
         leader_shape: Option<&[u64]>,
         scratch: &mut Scratch,
         dst: &mut [u8],
     ) -> Result<(), TransformError> {
+        let ArrayRef { bytes: input, dtype, shape } = input;
         let err = |message: String| TransformError::Input { field: self.field.clone(), message };
         let known: Vec<Option<u64>> = shape.iter().map(|&d| Some(d)).collect();
         let (out_dtype, out_shape) = self.output(dtype, &known)?;

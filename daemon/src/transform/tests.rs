@@ -41,7 +41,7 @@ fn run_paired(
     let (out_dtype, out_shape) = chain.output(dtype, &known).unwrap();
     let bytes = out_shape.iter().map(|d| d.unwrap()).product::<u64>() as usize * out_dtype.size();
     let mut dst = vec![0xEEu8; bytes];
-    chain.apply(input, dtype, shape, key, leader, &mut Scratch::new(), &mut dst).unwrap();
+    chain.apply(ArrayRef { bytes: input, dtype, shape }, key, leader, &mut Scratch::new(), &mut dst).unwrap();
     dst
 }
 
@@ -235,7 +235,15 @@ fn pairing_is_checked() {
     // At read time the follower's input must be scale × the leader's.
     let hr = vec![0u8; 30 * 32];
     let mut dst = vec![0u8; 16 * 16];
-    let err = good.apply(&hr, DType::U8, &[30, 32], KEY, Some(&[8, 8]), &mut Scratch::new(), &mut dst).unwrap_err();
+    let err = good
+        .apply(
+            ArrayRef { bytes: &hr, dtype: DType::U8, shape: &[30, 32] },
+            KEY,
+            Some(&[8, 8]),
+            &mut Scratch::new(),
+            &mut dst,
+        )
+        .unwrap_err();
     assert!(err.to_string().contains("at scale 4 they must be 32×32"), "{err}");
     let chained = Chain::new("x", vec![], Some(Pair { with: "hr".into(), scale: 1 })).unwrap();
     assert!(chained.check_pair(&good).is_err(), "no chains of followers");
@@ -320,7 +328,25 @@ fn destination_and_input_sizes_are_checked() {
     let c = chain(vec![Step::CenterCrop { height: 2, width: 2 }]);
     let input = vec![0u8; 16];
     let mut small = vec![0u8; 3];
-    assert!(c.apply(&input, DType::U8, &[4, 4], KEY, None, &mut Scratch::new(), &mut small).is_err());
+    assert!(
+        c.apply(
+            ArrayRef { bytes: &input, dtype: DType::U8, shape: &[4, 4] },
+            KEY,
+            None,
+            &mut Scratch::new(),
+            &mut small
+        )
+        .is_err()
+    );
     let mut dst = vec![0u8; 4];
-    assert!(c.apply(&input[..15], DType::U8, &[4, 4], KEY, None, &mut Scratch::new(), &mut dst).is_err());
+    assert!(
+        c.apply(
+            ArrayRef { bytes: &input[..15], dtype: DType::U8, shape: &[4, 4] },
+            KEY,
+            None,
+            &mut Scratch::new(),
+            &mut dst
+        )
+        .is_err()
+    );
 }

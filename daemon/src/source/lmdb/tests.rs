@@ -164,8 +164,9 @@ fn on_error_fail_and_skip() {
     let fail = LmdbSource::open(&spec).unwrap();
     let err = read_fixed(&fail, 1).unwrap_err();
     match &err {
-        SourceError::LmdbRead { key, codec, index, field, .. } => {
-            assert_eq!((key.as_str(), codec.as_str(), *index, field.as_str()), ("b", "raw", 1, "x"));
+        SourceError::LmdbRead(read) => {
+            assert_eq!((read.key.as_str(), read.codec.as_str(), read.index, read.field.as_str()), ("b", "raw", 1, "x"));
+            assert_eq!(read.env, env);
         }
         other => panic!("{other}"),
     }
@@ -175,7 +176,7 @@ fn on_error_fail_and_skip() {
     assert_eq!(read_fixed(&skip, 3).unwrap()[0], vec![0; 4], "d is bad: wraps to a");
     assert_eq!(read_fixed(&skip, 1).unwrap()[0], vec![2; 4], "deterministic");
     assert_eq!(skip.skipped(), 3);
-    let mut rows = vec![vec![0u8; 4]];
+    let mut rows = [vec![0u8; 4]];
     let mut outs: Vec<FieldOut<'_>> = rows.iter_mut().map(|r| FieldOut::Fixed(&mut r[..])).collect();
     assert_eq!(skip.read_into(sample(1), &mut outs).unwrap(), 2, "reports the index read");
 }
