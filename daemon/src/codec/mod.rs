@@ -293,33 +293,61 @@ impl Codec {
     }
 
     /// Decodes `value` into `out` (resized to fit) and returns what it holds.
-    /// For variable shapes and for values a transform works on next.
-    pub fn decode(&self, value: &[u8], out: &mut AlignedBuf, scratch: &mut Vec<u8>) -> Result<ArrayInfo, CodecError> {
-        match &self.format {
-            Format::Raw(_) | Format::Npy => {
-                let info = self.probe(value)?;
-                let dst = out.resize(info.bytes());
-                self.decode_into(value, &info, dst, scratch)?;
-                Ok(info)
+    /// For variable shapes and for values a transform works on next; a
+    /// wrapped value is decompressed once.
+    pub fn decode(
+        &self,
+        value: &[u8],
+        out: &mut impl DecodeOutput,
+        scratch: &mut Vec<u8>,
+    ) -> Result<ArrayInfo, CodecError> {
+        if let Format::Raw(layout) = &self.format {
+            let info = layout.info();
+            self.decode_into(value, &info, out.alloc(info.bytes()), scratch)?;
+            return Ok(info);
+        }
+        let plain: &[u8] = match self.wrap {
+            Wrap::None => value,
+            wrap => {
+                wrap.decompress(value, scratch)?;
+                scratch
             }
-            Format::Png | Format::Jpeg => {
-                let plain: &[u8] = match self.wrap {
-                    Wrap::None => value,
-                    wrap => {
-                        wrap.decompress(value, scratch)?;
-                        scratch
-                    }
-                };
-                let info =
-                    if let Format::Png = self.format { image::probe_png(plain)? } else { image::probe_jpeg(plain)? };
-                let dst = out.resize(info.bytes());
-                if let Format::Png = self.format {
-                    image::decode_png(plain, Some(&info), dst)
-                } else {
-                    image::decode_jpeg(plain, Some(&info), dst)
-                }
+        };
+        match self.format {
+            Format::Npy => {
+                let (header, body) = npy::Header::parse(plain)?;
+                header.copy_body(body, out.alloc(header.info.bytes()))?;
+                Ok(header.info)
+            }
+            Format::Png => {
+                let info = image::probe_png(plain)?;
+                image::decode_png(plain, Some(&info), out.alloc(info.bytes()))
+            }
+            _ => {
+                let info = image::probe_jpeg(plain)?;
+                image::decode_jpeg(plain, Some(&info), out.alloc(info.bytes()))
             }
         }
+    }
+}
+
+/// A reusable buffer [`Codec::decode`] sizes to the decoded value.
+pub trait DecodeOutput {
+    /// Makes the buffer `len` bytes long (contents unspecified) and returns it.
+    fn alloc(&mut self, len: usize) -> &mut [u8];
+}
+
+impl DecodeOutput for AlignedBuf {
+    fn alloc(&mut self, len: usize) -> &mut [u8] {
+        self.resize(len)
+    }
+}
+
+impl DecodeOutput for Vec<u8> {
+    fn alloc(&mut self, len: usize) -> &mut [u8] {
+        self.clear();
+        self.resize(len, 0);
+        self
     }
 }
 

@@ -101,6 +101,9 @@ fn fixtures_decode_like_the_reference_tools() {
         assert_eq!(got, info, "{}", f.file);
         assert_eq!(buf.as_slice().as_ptr().addr() % BUF_ALIGN, 0);
         compare(f, &info, buf.as_slice(), &want);
+        let mut vec = vec![1u8; 3];
+        assert_eq!(codec.decode(&value, &mut vec, &mut scratch).unwrap(), info);
+        compare(f, &info, &vec, &want);
     }
 }
 

@@ -472,10 +472,7 @@ impl LmdbSource {
                     layout.clone()
                 }
                 FieldOut::Variable { bytes, shape } => {
-                    let info = plan.codec.probe(value).map_err(codec_err)?;
-                    bytes.clear();
-                    bytes.resize(info.bytes(), 0);
-                    plan.codec.decode_into(value, &info, bytes, scratch).map_err(codec_err)?;
+                    let info = plan.codec.decode(value, *bytes, scratch).map_err(codec_err)?;
                     shape.clone_from(&info.shape);
                     info
                 }
@@ -486,9 +483,11 @@ impl LmdbSource {
             return Ok(());
         };
 
-        if let FieldOut::Skip = out
-            && !plan.has_followers
-        {
+        if let FieldOut::Skip = out {
+            // Left out; a follower may still need the decoded shape.
+            if plan.has_followers {
+                shapes[i] = Some(plan.codec.probe(value).map_err(codec_err)?.shape);
+            }
             return Ok(());
         }
         let info = plan.codec.decode(value, decoded, scratch).map_err(codec_err)?;
@@ -525,7 +524,7 @@ impl LmdbSource {
                 apply(bytes, transform)?;
                 shape.clone_from(&out_shape);
             }
-            FieldOut::Skip => {}
+            FieldOut::Skip => unreachable!("left-out fields return above"),
         }
         shapes[i] = Some(info.shape);
         Ok(())
