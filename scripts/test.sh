@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 
 echo "==> cargo test"
-STOKER_PYTHON="$PWD/.venv/bin/python" cargo test --release --locked --workspace --exclude stoker-py
+STOKER_PYTHON="$PWD/.venv/bin/python" STOKER_REQUIRE_PYTHON=1 cargo test --release --locked --workspace --exclude stoker-py
 
 echo "==> pytest"
 set +e

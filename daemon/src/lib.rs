@@ -4,6 +4,7 @@
 
 pub mod cache;
 pub mod cli;
+pub mod codec;
 pub mod config;
 pub mod filter;
 pub mod inspect;
@@ -12,3 +13,4 @@ pub mod sampler;
 pub mod server;
 pub mod source;
 pub mod stream;
+pub mod transform;

@@ -3,6 +3,7 @@
 //! (the sample's places in a ring slot).
 
 pub mod hdf5;
+pub mod lmdb;
 
 use std::path::PathBuf;
 
@@ -148,6 +149,63 @@ pub enum SourceError {
         /// The glob.
         pattern: String,
     },
+    /// An LMDB environment cannot be opened.
+    #[error("cannot open LMDB environment {env}: {message}")]
+    LmdbOpen {
+        /// The environment (a directory holding data.mdb, or the data file itself).
+        env: PathBuf,
+        /// What failed.
+        message: String,
+    },
+    /// A field of an LMDB dataset is declared wrongly (codec, transforms, pairing),
+    /// or its values disagree with each other (dtype).
+    #[error("LMDB field {field:?} ({env}, codec {codec}): {message}")]
+    LmdbField {
+        /// The field's environment.
+        env: PathBuf,
+        /// Field name.
+        field: String,
+        /// The field's codec.
+        codec: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// The key file cannot be read.
+    #[error("cannot read key file {path}: {message}")]
+    LmdbKeyFile {
+        /// The key file.
+        path: PathBuf,
+        /// What failed.
+        message: String,
+    },
+    /// After filtering (or from the key file) there are no keys.
+    #[error("LMDB environment {env} has no sample keys {detail}")]
+    LmdbEmpty {
+        /// The environment the keys come from.
+        env: PathBuf,
+        /// How keys were selected.
+        detail: String,
+    },
+    /// A sample key is missing from one of the joined environments.
+    #[error(
+        "key {key:?} is missing from LMDB environment {env} (field {field:?}); {missing} of the dataset's \
+         {total} keys are missing there — joined environments must hold the same keys"
+    )]
+    LmdbMissingKey {
+        /// The environment lacking the key.
+        env: PathBuf,
+        /// The field read from that environment.
+        field: String,
+        /// The first missing key (bytes shown escaped).
+        key: String,
+        /// How many keys are missing there.
+        missing: u64,
+        /// Keys in the dataset.
+        total: u64,
+    },
+    /// Reading or decoding one value of an LMDB dataset failed (boxed to keep errors small).
+    #[error("{0}")]
+    LmdbRead(Box<LmdbReadError>),
     /// Reading a sample failed.
     #[error("{path}: field {field:?} ({h5path:?}), sample {index} (row {row} of the file): {message}")]
     Read {
@@ -164,4 +222,22 @@ pub enum SourceError {
         /// What failed.
         message: String,
     },
+}
+
+/// Where and why reading one value of an LMDB dataset failed.
+#[derive(Debug, thiserror::Error)]
+#[error("LMDB {env}: key {key:?}, field {field:?}, codec {codec}, sample {index}: {message}")]
+pub struct LmdbReadError {
+    /// The environment.
+    pub env: PathBuf,
+    /// The sample's key (bytes shown escaped when not UTF-8).
+    pub key: String,
+    /// Field name.
+    pub field: String,
+    /// The field's codec.
+    pub codec: String,
+    /// Dataset index.
+    pub index: u64,
+    /// What failed.
+    pub message: String,
 }

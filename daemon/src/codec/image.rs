@@ -1,0 +1,152 @@
+//! PNG and JPEG values, decoded with zune-png / zune-jpeg into HWC arrays.
+//!
+//! PNG: 1/2/4/8-bit samples become uint8 (sub-byte gray scaled to 0–255, as
+//! libpng and Pillow do), 16-bit become native-endian uint16; palettes expand
+//! to RGB, and a `tRNS` chunk becomes an alpha channel (palette/RGB → RGBA,
+//! gray → gray+alpha). JPEG: one-component images stay gray, everything else
+//! becomes RGB. Gray images keep a channel axis: `[h, w, 1]`. EXIF
+//! orientation is not applied (as `np.asarray(Image.open(..))` does not). A
+//! truncated JPEG is an error, as in Pillow, not a gray-filled image.
+
+use stoker_proto::DType;
+use zune_core::bit_depth::{BitDepth, ByteEndian};
+use zune_core::bytestream::ZCursor;
+use zune_core::colorspace::ColorSpace;
+use zune_core::options::DecoderOptions;
+use zune_jpeg::JpegDecoder;
+use zune_png::PngDecoder;
+
+use super::{ArrayInfo, CodecError};
+
+/// The 8-byte PNG signature.
+pub(super) const PNG_SIGNATURE: &[u8] = b"\x89PNG\r\n\x1a\n";
+/// Largest width or height decoded (the decoders' own default is 16384).
+const MAX_SIDE: usize = 1 << 20;
+
+fn native_endian() -> ByteEndian {
+    if cfg!(target_endian = "little") { ByteEndian::LE } else { ByteEndian::BE }
+}
+
+fn png_err(message: impl Into<String>) -> CodecError {
+    CodecError::malformed("png", message)
+}
+
+fn jpeg_err(message: impl Into<String>) -> CodecError {
+    CodecError::malformed("jpeg", message)
+}
+
+/// Reads a PNG's IHDR and the chunks before its first IDAT, nothing else.
+pub(super) fn probe_png(value: &[u8]) -> Result<ArrayInfo, CodecError> {
+    if !value.starts_with(PNG_SIGNATURE) {
+        return Err(png_err("missing the PNG signature"));
+    }
+    let be32 =
+        |at: usize| -> Option<u32> { value.get(at..at + 4).map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]])) };
+    if value.get(12..16) != Some(b"IHDR") || be32(8) != Some(13) || value.len() < 8 + 8 + 13 {
+        return Err(png_err("first chunk is not a complete IHDR"));
+    }
+    let width = be32(16).expect("length checked") as u64;
+    let height = be32(20).expect("length checked") as u64;
+    let depth = value[24];
+    let color = value[25];
+    if width == 0 || height == 0 {
+        return Err(png_err(format!("image is {width}×{height}")));
+    }
+    let mut trns = false;
+    let mut at = 8usize;
+    while let (Some(len), Some(kind)) = (be32(at), value.get(at + 4..at + 8)) {
+        match kind {
+            b"IDAT" => break,
+            b"tRNS" => trns = true,
+            _ => {}
+        }
+        at = at.saturating_add(12).saturating_add(len as usize);
+    }
+    let channels = match (color, depth) {
+        (0, 1 | 2 | 4 | 8 | 16) => 1 + u64::from(trns),
+        (2, 8 | 16) => 3 + u64::from(trns),
+        (3, 1 | 2 | 4 | 8) => 3 + u64::from(trns),
+        (4, 8 | 16) => 2,
+        (6, 8 | 16) => 4,
+        _ => return Err(png_err(format!("invalid color type {color} with bit depth {depth}"))),
+    };
+    let dtype = if depth == 16 { DType::U16 } else { DType::U8 };
+    Ok(ArrayInfo { dtype, shape: vec![height, width, channels] })
+}
+
+/// Decodes a PNG into `dst` (exactly the image's bytes); checks it against `expect` first.
+pub(super) fn decode_png(value: &[u8], expect: Option<&ArrayInfo>, dst: &mut [u8]) -> Result<ArrayInfo, CodecError> {
+    let options = DecoderOptions::default()
+        .set_byte_endian(native_endian())
+        .png_set_confirm_crc(true)
+        .inflate_set_confirm_adler(true)
+        .set_max_width(MAX_SIDE)
+        .set_max_height(MAX_SIDE);
+    let mut decoder = PngDecoder::new_with_options(ZCursor::new(value), options);
+    decoder.decode_headers().map_err(|e| png_err(format!("{e:?}")))?;
+    let (width, height) = decoder.dimensions().ok_or_else(|| png_err("no image header"))?;
+    let channels = decoder.colorspace().ok_or_else(|| png_err("no image header"))?.num_components();
+    let dtype = match decoder.depth() {
+        Some(BitDepth::Sixteen) => DType::U16,
+        _ => DType::U8,
+    };
+    let found = ArrayInfo { dtype, shape: vec![height as u64, width as u64, channels as u64] };
+    check(expect, &found, dst)?;
+    decoder.decode_into(dst).map_err(|e| png_err(format!("{e:?}")))?;
+    Ok(found)
+}
+
+/// Reads a JPEG's markers up to the first scan.
+pub(super) fn probe_jpeg(value: &[u8]) -> Result<ArrayInfo, CodecError> {
+    let mut decoder = JpegDecoder::new_with_options(ZCursor::new(value), jpeg_options(ColorSpace::RGB));
+    decoder.decode_headers().map_err(|e| jpeg_err(e.to_string()))?;
+    let (width, height) = decoder.dimensions().ok_or_else(|| jpeg_err("no frame header"))?;
+    let channels = if decoder.input_colorspace() == Some(ColorSpace::Luma) { 1 } else { 3 };
+    Ok(ArrayInfo { dtype: DType::U8, shape: vec![height as u64, width as u64, channels] })
+}
+
+/// Decodes a JPEG into `dst` (exactly the image's bytes); checks it against `expect` first.
+pub(super) fn decode_jpeg(value: &[u8], expect: Option<&ArrayInfo>, dst: &mut [u8]) -> Result<ArrayInfo, CodecError> {
+    let found = probe_jpeg(value)?;
+    check(expect, &found, dst)?;
+    if !ends_after_last_scan(value) {
+        return Err(jpeg_err("truncated: no end-of-image marker after the last scan"));
+    }
+    let out = if found.shape[2] == 1 { ColorSpace::Luma } else { ColorSpace::RGB };
+    let mut decoder = JpegDecoder::new_with_options(ZCursor::new(value), jpeg_options(out));
+    decoder.decode_into(dst).map_err(|e| jpeg_err(e.to_string()))?;
+    Ok(found)
+}
+
+/// Whether an EOI marker (FF D9) follows the last SOS marker (FF DA).
+///
+/// zune-jpeg, like browsers, fills a truncated image with gray; Pillow raises.
+/// Entropy-coded data stuffs every FF byte (FF 00), so neither marker can
+/// occur inside a scan: scanning back from the end for whichever comes first
+/// tells a complete file (trailing bytes after EOI allowed) from a cut one.
+fn ends_after_last_scan(value: &[u8]) -> bool {
+    for at in (0..value.len().saturating_sub(1)).rev() {
+        if value[at] == 0xFF {
+            match value[at + 1] {
+                0xD9 => return true,
+                0xDA => return false,
+                _ => {}
+            }
+        }
+    }
+    false
+}
+
+fn jpeg_options(out: ColorSpace) -> DecoderOptions {
+    DecoderOptions::default().jpeg_set_out_colorspace(out).set_max_width(MAX_SIDE).set_max_height(MAX_SIDE)
+}
+
+fn check(expect: Option<&ArrayInfo>, found: &ArrayInfo, dst: &[u8]) -> Result<(), CodecError> {
+    if let Some(expected) = expect
+        && expected != found
+    {
+        return Err(CodecError::Mismatch { expected: expected.clone(), found: found.clone() });
+    }
+    assert_eq!(dst.len(), found.bytes(), "image destination must hold exactly the decoded image");
+    Ok(())
+}

@@ -1,0 +1,265 @@
+//! Codec tests against fixtures written by Pillow, numpy, lz4 and zstandard
+//! (`testdata/make.py`; `testdata/manifest.json` lists them).
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use stoker_proto::DType;
+
+use super::*;
+
+#[derive(Debug, Deserialize)]
+struct Fixture {
+    file: String,
+    codec: String,
+    dtype: String,
+    shape: Vec<u64>,
+    expect: String,
+    tolerance: Option<Tolerance>,
+    raw: Option<Raw>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Tolerance {
+    max: u8,
+    mean: f64,
+}
+
+#[derive(Debug, Deserialize)]
+struct Raw {
+    dtype: String,
+    shape: Vec<u64>,
+}
+
+fn testdata() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("src/codec/testdata")
+}
+
+fn fixtures() -> Vec<Fixture> {
+    let text = std::fs::read_to_string(testdata().join("manifest.json")).expect("manifest.json (run make.py)");
+    serde_json::from_str(&text).expect("manifest parses")
+}
+
+fn read(name: &str) -> Vec<u8> {
+    std::fs::read(testdata().join(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+fn codec_of(f: &Fixture) -> Codec {
+    let raw = f.raw.as_ref().map(|r| RawLayout::new(&r.dtype, r.shape.clone()).unwrap());
+    Codec::parse(&f.codec, raw).unwrap()
+}
+
+/// Fixture expectations are stored little-endian.
+fn expected_native(f: &Fixture, dtype: DType) -> Vec<u8> {
+    let mut bytes = read(&f.expect);
+    swap_if_needed(&mut bytes, dtype, ByteOrder::Little);
+    bytes
+}
+
+/// (max abs difference, mean abs difference) of two uint8 images.
+fn diff_u8(a: &[u8], b: &[u8]) -> (u8, f64) {
+    let max = a.iter().zip(b).map(|(x, y)| x.abs_diff(*y)).max().unwrap_or(0);
+    let sum: u64 = a.iter().zip(b).map(|(x, y)| u64::from(x.abs_diff(*y))).sum();
+    (max, sum as f64 / a.len().max(1) as f64)
+}
+
+fn compare(f: &Fixture, info: &ArrayInfo, got: &[u8], want: &[u8]) {
+    match &f.tolerance {
+        None => assert!(got == want, "{}: decoded bytes differ from the reference", f.file),
+        Some(tol) => {
+            assert_eq!(info.dtype, DType::U8);
+            let (max, mean) = diff_u8(got, want);
+            eprintln!("{}: max abs diff {max}, mean abs diff {mean:.4} vs Pillow (libjpeg-turbo)", f.file);
+            assert!(max <= tol.max && mean <= tol.mean, "{}: max {max} mean {mean} beyond {tol:?}", f.file);
+        }
+    }
+}
+
+#[test]
+fn fixtures_decode_like_the_reference_tools() {
+    let all = fixtures();
+    assert!(all.len() > 60, "manifest lists {} fixtures", all.len());
+    let mut scratch = Vec::new();
+    let mut buf = AlignedBuf::new();
+    for f in &all {
+        let codec = codec_of(f);
+        let value = read(&f.file);
+        let (dtype, _) = parse_dtype(&f.dtype).unwrap();
+        let want_info = ArrayInfo { dtype, shape: f.shape.clone() };
+        let info = codec.probe(&value).unwrap_or_else(|e| panic!("{}: probe: {e}", f.file));
+        assert_eq!(info, want_info, "{}: probe", f.file);
+        let want = expected_native(f, dtype);
+        assert_eq!(want.len(), info.bytes(), "{}: expectation size", f.file);
+
+        // Straight into a destination of exactly the right size (a slot row).
+        let mut dst = vec![0xAAu8; info.bytes()];
+        codec.decode_into(&value, &info, &mut dst, &mut scratch).unwrap_or_else(|e| panic!("{}: {e}", f.file));
+        compare(f, &info, &dst, &want);
+
+        // Into a reusable buffer.
+        let got = codec.decode(&value, &mut buf, &mut scratch).unwrap_or_else(|e| panic!("{}: decode: {e}", f.file));
+        assert_eq!(got, info, "{}", f.file);
+        assert_eq!(buf.as_slice().as_ptr().addr() % BUF_ALIGN, 0);
+        compare(f, &info, buf.as_slice(), &want);
+        let mut vec = vec![1u8; 3];
+        assert_eq!(codec.decode(&value, &mut vec, &mut scratch).unwrap(), info);
+        compare(f, &info, &vec, &want);
+    }
+}
+
+#[test]
+fn every_png_color_type_and_depth_is_covered() {
+    let names: Vec<String> = fixtures().into_iter().map(|f| f.file).filter(|f| f.ends_with(".png")).collect();
+    for want in [
+        "gray1",
+        "gray2",
+        "gray4",
+        "gray8",
+        "gray16",
+        "gray_alpha8",
+        "gray_alpha16",
+        "rgb8",
+        "rgb16",
+        "rgba8",
+        "rgba16",
+        "palette4",
+        "palette8",
+        "palette_trns",
+        "gray_trns",
+        "rgb_trns",
+        "rgb8_interlaced",
+        "rgb16_interlaced",
+    ] {
+        assert!(names.iter().any(|n| n.ends_with(&format!("/{want}.png"))), "no fixture {want}");
+    }
+}
+
+#[test]
+fn parse_names() {
+    assert_eq!("png".parse::<Codec>().unwrap(), Codec { wrap: Wrap::None, format: Format::Png });
+    assert_eq!("lz4+npy".parse::<Codec>().unwrap(), Codec { wrap: Wrap::Lz4, format: Format::Npy });
+    assert_eq!("ZSTD+JPG".parse::<Codec>().unwrap(), Codec { wrap: Wrap::Zstd, format: Format::Jpeg });
+    assert_eq!("zstd+png".parse::<Codec>().unwrap().to_string(), "zstd+png");
+    assert!(matches!("gzip+png".parse::<Codec>(), Err(CodecError::UnknownCodec(_))));
+    assert!(matches!("webp".parse::<Codec>(), Err(CodecError::UnknownCodec(_))));
+    assert!(matches!("raw".parse::<Codec>(), Err(CodecError::RawLayout(_))));
+    let layout = RawLayout::new("float32", vec![2, 3]).unwrap();
+    assert!(matches!(Codec::parse("png", Some(layout.clone())), Err(CodecError::RawLayout(_))));
+    let raw = Codec::parse("lz4+raw", Some(layout)).unwrap();
+    assert_eq!(raw.to_string(), "lz4+raw");
+    assert_eq!(parse_dtype(">u2").unwrap(), (DType::U16, ByteOrder::Big));
+    assert_eq!(parse_dtype("|b1").unwrap(), (DType::Bool, ByteOrder::NATIVE));
+    assert!(matches!(parse_dtype("complex64"), Err(CodecError::Dtype(_))));
+}
+
+#[test]
+fn sniff_names_formats() {
+    assert_eq!(sniff(&read("png/rgb8.png")), "png");
+    assert_eq!(sniff(&read("jpeg/gray_progressive.jpg")), "jpeg");
+    assert_eq!(sniff(&read("npy/f4_le_c.npy")), "npy");
+    assert_eq!(sniff(&read("wrap/npy.lz4")), "lz4");
+    assert_eq!(sniff(&read("wrap/npy.zst")), "zstd");
+    assert_eq!(sniff(b"hello"), "unknown");
+    assert_eq!(sniff(b""), "unknown");
+}
+
+#[test]
+fn shape_mismatch_is_caught_before_writing() {
+    let mut scratch = Vec::new();
+    for (file, codec) in [("png/rgb8.png", "png"), ("jpeg/rgb_baseline420.jpg", "jpeg"), ("npy/f4_le_c.npy", "npy")] {
+        let codec: Codec = codec.parse().unwrap();
+        let value = read(file);
+        let info = codec.probe(&value).unwrap();
+        let mut wrong = info.clone();
+        wrong.shape.reverse();
+        let mut dst = vec![0x55u8; wrong.bytes()];
+        let err = codec.decode_into(&value, &wrong, &mut dst, &mut scratch).unwrap_err();
+        assert!(matches!(err, CodecError::Mismatch { .. }), "{file}: {err}");
+        assert!(dst.iter().all(|&b| b == 0x55), "{file}: wrote before checking");
+    }
+}
+
+#[test]
+fn corrupt_values_are_errors_not_panics() {
+    let mut scratch = Vec::new();
+    let mut buf = AlignedBuf::new();
+    for (file, codec) in [
+        ("png/rgb8.png", "png"),
+        ("png/palette4.png", "png"),
+        ("jpeg/rgb_baseline420.jpg", "jpeg"),
+        ("jpeg/rgb_progressive.jpg", "jpeg"),
+        ("npy/i2_be_f.npy", "npy"),
+        ("wrap/npy.lz4", "lz4+npy"),
+        ("wrap/npy.lz4block", "lz4+npy"),
+        ("wrap/npy.zst", "zstd+npy"),
+        ("wrap/png.zst", "zstd+png"),
+    ] {
+        let codec: Codec = codec.parse().unwrap();
+        let value = read(file);
+        // Truncations at several points, and flipped bytes in the middle. lz4_flex
+        // takes a frame cut inside its 4-byte end mark as ended: the data is whole.
+        let last = if codec.wrap == Wrap::Lz4 { value.len() - 5 } else { value.len() - 1 };
+        for cut in [0, 1, 7, 20, value.len() / 2, last] {
+            let short = &value[..cut];
+            if let Ok(info) = codec.probe(short) {
+                let mut dst = vec![0u8; info.bytes()];
+                let result = codec.decode_into(short, &info, &mut dst, &mut scratch);
+                assert!(result.is_err(), "{file} cut at {cut} decoded");
+            }
+        }
+        let mut flipped = value.clone();
+        let mid = flipped.len() / 2;
+        for b in &mut flipped[mid..mid + 8] {
+            *b ^= 0x5A;
+        }
+        // Flipped bytes may still decode (JPEG has no checksum); they must not panic.
+        let _ = codec.decode(&flipped, &mut buf, &mut scratch);
+    }
+}
+
+#[test]
+fn flipped_png_bytes_fail_the_checksums() {
+    let mut value = read("png/rgb8.png");
+    let mid = value.len() / 2;
+    value[mid] ^= 0x01;
+    let codec: Codec = "png".parse().unwrap();
+    assert!(codec.decode(&value, &mut AlignedBuf::new(), &mut Vec::new()).is_err());
+}
+
+#[test]
+fn raw_size_must_match() {
+    let layout = RawLayout::new("<u2", vec![8, 12, 3]).unwrap();
+    let mut scratch = Vec::new();
+    let info = ArrayInfo { dtype: DType::U16, shape: vec![8, 12, 3] };
+    let mut dst = vec![0u8; info.bytes()];
+    let raw = Codec::parse("raw", Some(layout.clone())).unwrap();
+    let value = read("wrap/raw.bin");
+    assert!(raw.decode_into(&value[..value.len() - 2], &info, &mut dst, &mut scratch).is_err());
+    let zstd = Codec::parse("zstd+raw", Some(RawLayout::new("<u2", vec![8, 12, 2]).unwrap())).unwrap();
+    let info2 = ArrayInfo { dtype: DType::U16, shape: vec![8, 12, 2] };
+    let mut dst2 = vec![0u8; info2.bytes()];
+    let err = zstd.decode_into(&read("wrap/raw.zst"), &info2, &mut dst2, &mut scratch).unwrap_err();
+    assert!(matches!(err, CodecError::Decompress { wrap: "zstd", .. }), "{err}");
+    let lz4 = Codec::parse("lz4+raw", Some(RawLayout::new("<u2", vec![8, 12, 2]).unwrap())).unwrap();
+    for file in ["wrap/raw.lz4", "wrap/raw.lz4block"] {
+        let err = lz4.decode_into(&read(file), &info2, &mut dst2, &mut scratch).unwrap_err();
+        assert!(matches!(err, CodecError::Decompress { wrap: "lz4", .. }), "{file}: {err}");
+    }
+}
+
+#[test]
+fn lz4_without_frame_or_plausible_prefix_is_rejected() {
+    let codec: Codec = "lz4+npy".parse().unwrap();
+    let err = codec.probe(&[0xFF, 0xFF, 0xFF, 0x7F, 1, 2, 3]).unwrap_err();
+    assert!(err.to_string().contains("neither an LZ4 frame"), "{err}");
+}
+
+#[test]
+fn aligned_buf_stays_aligned_as_it_grows() {
+    let mut buf = AlignedBuf::new();
+    for len in [0, 1, 3, 17, 1000, 5, 100_000] {
+        let s = buf.resize(len);
+        assert_eq!(s.len(), len);
+        assert_eq!(s.as_ptr().addr() % BUF_ALIGN, 0);
+    }
+}

@@ -1,0 +1,879 @@
+//! LMDB source: samples are the keys of one or more environments, each field
+//! a value decoded by a [`Codec`] and optionally transformed by a [`Chain`].
+//!
+//! Environments are opened once per process, read-only and without LMDB's
+//! lock file (`MDB_RDONLY | MDB_NOLOCK | MDB_NORDAHEAD`, as BasicSR opens its
+//! datasets): the daemon needs no write access to the dataset's directory,
+//! and a dataset must not be written while it is served. An environment is a
+//! directory holding `data.mdb` (Python `lmdb.open(path)`) or the data file
+//! itself (`subdir=False`). Every read runs in its own read transaction
+//! (cheap without the lock table) and decodes straight from the memory map.
+//!
+//! Sample order is the key order of the first field's environment (bytewise,
+//! after a [`KeyFilter`]) or the order of a key file. Fields read from other
+//! environments look the same key up there; every key must exist in every
+//! environment (checked at open).
+//!
+//! # Fixed and variable fields
+//!
+//! The first [`LmdbSpec::probe`] keys are probed (headers only) at open. A
+//! dimension equal in all of them is fixed; one that differs is *variable*.
+//! Transforms may fix it again (a crop to 96×96). A field whose delivered
+//! shape is fully fixed is laid out in the batch like an HDF5 field, and each
+//! value is checked against that layout at read time. A field with a
+//! variable dimension reports it as `0` in [`FieldSpec::shape`] (its
+//! `sample_bytes()` is then 0; [`LmdbSource::shapes`] gives `None` there), is
+//! left out by [`Source::read_sample`], and is read with
+//! [`LmdbSource::read_into`] into a growable buffer with its shape: the
+//! material for ragged delivery.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, PoisonError, Weak};
+
+use heed::types::Bytes;
+use heed::{CommitOrAbort, Database, Env, EnvFlags, EnvOpenOptions, RoTxn, WithoutTls};
+use regex::bytes::Regex;
+use stoker_proto::DType;
+
+use super::{FieldOut, FieldSpec, LmdbReadError, SampleRef, Source, SourceError};
+use crate::codec::{AlignedBuf, ArrayInfo, Codec, CodecError};
+use crate::transform::{self, ArrayRef, Chain, Pair, SampleKey, Step};
+
+/// How many keys are probed at open unless the spec says otherwise.
+pub const DEFAULT_PROBE: usize = 8;
+/// Under `on_error = "skip"`, how many samples after a bad one are tried before giving up.
+pub const MAX_SUBSTITUTES: u64 = 1024;
+
+/// One field of an LMDB dataset.
+#[derive(Debug, Clone)]
+pub struct LmdbField {
+    /// Field name delivered to the client.
+    pub name: String,
+    /// The environment holding the field's values.
+    pub env: PathBuf,
+    /// How values are decoded.
+    pub codec: Codec,
+    /// Transforms applied after decoding (empty: decode straight into the slot).
+    pub transforms: Vec<Step>,
+    /// Draw random crops and flips together with another field.
+    pub pair: Option<Pair>,
+    /// Room per sample when the field's shape varies (ragged delivery);
+    /// default: twice the largest value probed at open, at least 1 MiB.
+    pub max_sample_bytes: Option<u64>,
+}
+
+/// Which keys of the first field's environment are samples.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum KeyFilter {
+    /// Every key except metadata ones that dataset writers commonly add:
+    /// dunder keys (`__len__`, `__keys__`, `__meta__`, …), `length` and `keys`.
+    #[default]
+    SkipMetadata,
+    /// Every key.
+    All,
+    /// Keys starting with this prefix.
+    Prefix(String),
+    /// Keys the regular expression matches (anywhere; anchor with `^…$`).
+    Include(String),
+    /// Keys the regular expression does not match.
+    Exclude(String),
+}
+
+/// What a bad value (undecodable, wrong shape, missing) does to a read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum OnError {
+    /// The read fails with an error naming environment, key, field and codec.
+    #[default]
+    Fail,
+    /// The next good sample (wrapping) stands in; each bad key is logged once and counted.
+    Skip,
+}
+
+/// An LMDB dataset's definition.
+#[derive(Debug, Clone)]
+pub struct LmdbSpec {
+    /// Fields in delivery order; the first one's environment lists the keys.
+    pub fields: Vec<LmdbField>,
+    /// Key selection when no key file is given.
+    pub filter: KeyFilter,
+    /// A file listing the sample keys, one per line, in sample order; BasicSR
+    /// `meta_info.txt` lines (`0001.png (480,480,3) 1`) give the name before the first dot.
+    pub key_file: Option<PathBuf>,
+    /// Bad values fail the read, or are skipped.
+    pub on_error: OnError,
+    /// Keys probed at open to learn each field's dtype and shape.
+    pub probe: usize,
+    /// When set, every environment and the key file must lie under one of these.
+    pub allowed_roots: Option<Vec<PathBuf>>,
+}
+
+impl LmdbSpec {
+    /// A spec for `fields` with the defaults: metadata keys skipped, no key file, fail on error.
+    pub fn new(fields: Vec<LmdbField>) -> LmdbSpec {
+        LmdbSpec {
+            fields,
+            filter: KeyFilter::default(),
+            key_file: None,
+            on_error: OnError::default(),
+            probe: DEFAULT_PROBE,
+            allowed_roots: None,
+        }
+    }
+}
+
+/// Where [`LmdbSource::read_into`] puts one field of a sample.
+#[derive(Debug)]
+pub enum LmdbOut<'a> {
+    /// Exactly the field's fixed sample bytes (a slot row).
+    Fixed(&'a mut [u8]),
+    /// A buffer resized to the value, and its shape.
+    Variable {
+        /// The decoded (and transformed) value, C order, native-endian.
+        bytes: &'a mut Vec<u8>,
+        /// Its shape.
+        shape: &'a mut Vec<u64>,
+    },
+    /// A ragged slot row: the values go at the start of `data` (its length is
+    /// the row's capacity), the shape into `shape`.
+    Ragged {
+        /// The row's region.
+        data: &'a mut [u8],
+        /// The row's shape entry (one per dimension).
+        shape: &'a mut [u64],
+    },
+    /// Leave the field out.
+    Skip,
+}
+
+/// An open LMDB dataset.
+pub struct LmdbSource {
+    keys: Keys,
+    fields: Vec<FieldSpec>,
+    plans: Vec<FieldPlan>,
+    envs: Vec<Arc<SharedEnv>>,
+    on_error: OnError,
+    probe: usize,
+    skipped: AtomicU64,
+    logged: Mutex<HashSet<u64>>,
+    workers: Mutex<Vec<Worker>>,
+}
+
+impl fmt::Debug for LmdbSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LmdbSource")
+            .field("envs", &self.envs.iter().map(|e| &e.path).collect::<Vec<_>>())
+            .field("keys", &self.keys.len())
+            .field("fields", &self.fields)
+            .field("on_error", &self.on_error)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How one field is read.
+#[derive(Debug)]
+struct FieldPlan {
+    name: String,
+    /// Index into `LmdbSource::envs`.
+    env: usize,
+    codec: Codec,
+    /// `None` when there are no transforms.
+    chain: Option<Chain>,
+    /// Index of the field this one pairs with.
+    leader: Option<usize>,
+    /// Whether some other field pairs with this one (and needs its shape per sample).
+    has_followers: bool,
+    /// The decoded layout when every probed value agreed.
+    decoded: Option<ArrayInfo>,
+    /// Delivered dtype and shape (`None`: varies by sample).
+    dtype: DType,
+    shape: Vec<Option<u64>>,
+    /// Room per row when the shape varies.
+    max_sample_bytes: u64,
+}
+
+impl FieldPlan {
+    fn fixed_shape(&self) -> Option<Vec<u64>> {
+        self.shape.iter().copied().collect()
+    }
+}
+
+/// Per-worker buffers, pooled so concurrent reads never share one.
+#[derive(Debug, Default)]
+struct Worker {
+    scratch: Vec<u8>,
+    decoded: AlignedBuf,
+    transform: transform::Scratch,
+    shapes: Vec<Option<Vec<u64>>>,
+}
+
+impl LmdbSource {
+    /// Opens the environments of `spec` (each once per process), selects the
+    /// keys, checks every environment holds them, and probes the field layouts.
+    pub fn open(spec: &LmdbSpec) -> Result<LmdbSource, SourceError> {
+        let first = spec.fields.first().ok_or_else(|| SourceError::LmdbField {
+            env: PathBuf::new(),
+            field: String::new(),
+            codec: String::new(),
+            message: "an LMDB dataset needs at least one field".into(),
+        })?;
+        let field_err = |field: &LmdbField, message: String| SourceError::LmdbField {
+            env: field.env.clone(),
+            field: field.name.clone(),
+            codec: field.codec.to_string(),
+            message,
+        };
+        let mut seen = HashSet::new();
+        for field in &spec.fields {
+            if !seen.insert(field.name.as_str()) {
+                return Err(field_err(field, "the field name appears twice".into()));
+            }
+        }
+        if let Some(roots) = &spec.allowed_roots {
+            let paths = spec.fields.iter().map(|f| &f.env).chain(spec.key_file.as_ref());
+            for path in paths {
+                let real = path.canonicalize().unwrap_or_else(|_| path.clone());
+                if !roots.iter().any(|root| real.starts_with(root)) {
+                    return Err(SourceError::NotAllowed { path: path.clone(), roots: roots.clone() });
+                }
+            }
+        }
+
+        // Environments, each opened once even when several fields read it.
+        let mut envs: Vec<Arc<SharedEnv>> = Vec::new();
+        let mut env_of = Vec::with_capacity(spec.fields.len());
+        for field in &spec.fields {
+            let env = SharedEnv::open(&field.env)?;
+            let at = envs.iter().position(|e| Arc::ptr_eq(e, &env)).unwrap_or_else(|| {
+                envs.push(env);
+                envs.len() - 1
+            });
+            env_of.push(at);
+        }
+
+        // Sample keys.
+        let primary = &envs[env_of[0]];
+        let keys = match &spec.key_file {
+            Some(path) => read_key_file(path)?,
+            None => primary.keys(&spec.filter)?,
+        };
+        if keys.is_empty() {
+            let detail = match (&spec.key_file, &spec.filter) {
+                (Some(path), _) => format!("(key file {} lists none)", path.display()),
+                (None, filter) => format!("after filter {filter:?}"),
+            };
+            return Err(SourceError::LmdbEmpty { env: first.env.clone(), detail });
+        }
+        for (field, &env) in spec.fields.iter().zip(&env_of) {
+            let listed_here = env == env_of[0] && spec.key_file.is_none();
+            if !listed_here {
+                envs[env].check_has(&keys, &field.name)?;
+            }
+        }
+
+        // Transform chains and pairing.
+        let mut chains = Vec::with_capacity(spec.fields.len());
+        for field in &spec.fields {
+            let chain = Chain::new(&field.name, field.transforms.clone(), field.pair.clone())
+                .map_err(|e| field_err(field, e.to_string()))?;
+            chains.push(chain);
+        }
+        let mut leaders = Vec::with_capacity(spec.fields.len());
+        for (field, chain) in spec.fields.iter().zip(&chains) {
+            let leader = match chain.pair() {
+                None => None,
+                Some(pair) => {
+                    let Some(at) = spec.fields.iter().position(|f| f.name == pair.with) else {
+                        return Err(field_err(field, format!("pairs with {:?}, which is not a field", pair.with)));
+                    };
+                    chain.check_pair(&chains[at]).map_err(|e| field_err(field, e.to_string()))?;
+                    Some(at)
+                }
+            };
+            leaders.push(leader);
+        }
+
+        // Layouts from the first keys.
+        let probe = spec.probe.max(1).min(keys.len());
+        let mut plans = Vec::with_capacity(spec.fields.len());
+        for (i, (field, chain)) in spec.fields.iter().zip(chains).enumerate() {
+            let env = &envs[env_of[i]];
+            let (dtype, decoded_shape, largest) = probe_field(env, field, &keys, probe, spec.on_error)?;
+            let decoded =
+                decoded_shape.iter().copied().collect::<Option<Vec<u64>>>().map(|shape| ArrayInfo { dtype, shape });
+            let decoded_dtype = dtype;
+            let (dtype, shape) = if chain.is_empty() {
+                (dtype, decoded_shape)
+            } else {
+                chain.output(dtype, &decoded_shape).map_err(|e| field_err(field, e.to_string()))?
+            };
+            plans.push(FieldPlan {
+                name: field.name.clone(),
+                env: env_of[i],
+                codec: field.codec.clone(),
+                chain: (!chain.is_empty()).then_some(chain),
+                leader: leaders[i],
+                has_followers: leaders.contains(&Some(i)),
+                decoded,
+                max_sample_bytes: field.max_sample_bytes.unwrap_or_else(|| {
+                    // Casting to a wider type (to f32, say) widens every value.
+                    let widen = (dtype.size() as u64).div_ceil(decoded_dtype.size() as u64).max(1);
+                    (2 * largest * widen).max(1 << 20)
+                }),
+                dtype,
+                shape,
+            });
+        }
+        let fields = plans
+            .iter()
+            .zip(&spec.fields)
+            .map(|(plan, field)| FieldSpec {
+                name: plan.name.clone(),
+                origin: format!("{} ({})", field.env.display(), field.codec),
+                dtype: plan.dtype,
+                shape: plan.shape.iter().map(|d| d.unwrap_or(0)).collect(),
+                max_sample_bytes: plan.fixed_shape().is_none().then_some(plan.max_sample_bytes),
+            })
+            .collect();
+        for plan in plans.iter().filter(|p| p.fixed_shape().is_none()) {
+            tracing::info!(field = %plan.name, shape = ?plan.shape, "LMDB field has a variable shape");
+        }
+        Ok(LmdbSource {
+            keys,
+            fields,
+            plans,
+            envs,
+            on_error: spec.on_error,
+            probe,
+            skipped: AtomicU64::new(0),
+            logged: Mutex::new(HashSet::new()),
+            workers: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Delivered shape of each field; `None` marks a dimension that varies by sample.
+    pub fn shapes(&self) -> Vec<Vec<Option<u64>>> {
+        self.plans.iter().map(|p| p.shape.clone()).collect()
+    }
+
+    /// Whether field `field` has a fixed shape (is laid out in the batch).
+    pub fn is_fixed(&self, field: usize) -> bool {
+        self.plans[field].fixed_shape().is_some()
+    }
+
+    /// The key of sample `index`.
+    pub fn key(&self, index: u64) -> &[u8] {
+        self.keys.get(index as usize)
+    }
+
+    /// Bad samples skipped so far (each substitution counts once).
+    pub fn skipped(&self) -> u64 {
+        // Relaxed: a statistic, ordered with nothing.
+        self.skipped.load(Ordering::Relaxed)
+    }
+
+    /// Reads every field of `sample` into `out` (one entry per field) and
+    /// returns the index actually read: `sample.index`, or under
+    /// `on_error = "skip"` the next good sample after it (wrapping).
+    /// Transforms are keyed by the index read.
+    pub fn read_into(&self, sample: SampleRef, out: &mut [LmdbOut<'_>]) -> Result<u64, SourceError> {
+        assert_eq!(out.len(), self.plans.len(), "one output per field");
+        let n = self.len();
+        let attempts = match self.on_error {
+            OnError::Fail => 1,
+            OnError::Skip => n.min(MAX_SUBSTITUTES),
+        };
+        let mut first_error = None;
+        for k in 0..attempts {
+            let index = (sample.index % n + k) % n;
+            match self.read_index(SampleRef { index, ..sample }, out) {
+                Ok(()) => return Ok(index),
+                Err(e) if self.on_error == OnError::Fail => return Err(e),
+                Err(e) => {
+                    self.skipped.fetch_add(1, Ordering::Relaxed);
+                    let mut logged = self.logged.lock().unwrap_or_else(PoisonError::into_inner);
+                    if logged.insert(index) {
+                        tracing::warn!(error = %e, "skipping a bad LMDB sample; the next good one stands in");
+                    }
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        let mut first = first_error.expect("at least one attempt failed");
+        if let SourceError::LmdbRead(read) = &mut first {
+            read.message =
+                format!("{} (on_error = skip, but the next {} samples failed too)", read.message, attempts - 1);
+        }
+        Err(first)
+    }
+
+    fn read_index(&self, sample: SampleRef, out: &mut [LmdbOut<'_>]) -> Result<(), SourceError> {
+        let mut worker = self.workers.lock().unwrap_or_else(PoisonError::into_inner).pop().unwrap_or_default();
+        let result = self.read_with(&mut worker, sample, out);
+        self.workers.lock().unwrap_or_else(PoisonError::into_inner).push(worker);
+        result
+    }
+
+    fn read_with(&self, worker: &mut Worker, sample: SampleRef, out: &mut [LmdbOut<'_>]) -> Result<(), SourceError> {
+        let key = self.keys.get(sample.index as usize);
+        let txns = self
+            .envs
+            .iter()
+            .map(|env| {
+                env.env.read_txn().map_err(|e| {
+                    SourceError::LmdbRead(Box::new(LmdbReadError {
+                        env: env.path.clone(),
+                        key: show_key(key),
+                        field: String::new(),
+                        codec: String::new(),
+                        index: sample.index,
+                        message: format!("cannot begin a read transaction: {e}"),
+                    }))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        worker.shapes.clear();
+        worker.shapes.resize(self.plans.len(), None);
+        // Leaders before followers, so a follower knows its leader's shape.
+        for followers in [false, true] {
+            for (i, plan) in self.plans.iter().enumerate() {
+                if plan.leader.is_some() == followers {
+                    self.read_field(worker, &txns, i, key, sample, &mut out[i])?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn read_field(
+        &self,
+        worker: &mut Worker,
+        txns: &[RoTxn<'_, WithoutTls>],
+        i: usize,
+        key: &[u8],
+        sample: SampleRef,
+        out: &mut LmdbOut<'_>,
+    ) -> Result<(), SourceError> {
+        let plan = &self.plans[i];
+        let env = &self.envs[plan.env];
+        let err = |message: String| {
+            SourceError::LmdbRead(Box::new(LmdbReadError {
+                env: env.path.clone(),
+                key: show_key(key),
+                field: plan.name.clone(),
+                codec: plan.codec.to_string(),
+                index: sample.index,
+                message,
+            }))
+        };
+        let value = env
+            .db
+            .get(&txns[plan.env], key)
+            .map_err(|e| err(format!("LMDB read failed: {e}")))?
+            .ok_or_else(|| err("the key is missing from this environment".into()))?;
+        let Worker { scratch, decoded, transform, shapes } = worker;
+        let codec_err = |e: CodecError| match (&e, &plan.decoded) {
+            (CodecError::Mismatch { .. }, Some(layout)) if plan.chain.is_none() => err(format!(
+                "{e}; the field was laid out as {layout} from the first {} keys — declare a crop or resize \
+                 transform, or deliver the field ragged",
+                self.probe
+            )),
+            _ => err(e.to_string()),
+        };
+
+        let Some(chain) = &plan.chain else {
+            let info = match out {
+                LmdbOut::Fixed(dst) => {
+                    let layout =
+                        plan.decoded.as_ref().expect("a fixed field without transforms has a fixed decoded layout");
+                    plan.codec.decode_into(value, layout, dst, scratch).map_err(codec_err)?;
+                    layout.clone()
+                }
+                LmdbOut::Variable { bytes, shape } => {
+                    let info = plan.codec.decode(value, *bytes, scratch).map_err(codec_err)?;
+                    shape.clone_from(&info.shape);
+                    info
+                }
+                LmdbOut::Ragged { data, shape } => {
+                    let info = plan.codec.probe(value).map_err(codec_err)?;
+                    let n = fits(&info.shape, info.dtype, data.len()).map_err(err)?;
+                    plan.codec.decode_into(value, &info, &mut data[..n], scratch).map_err(codec_err)?;
+                    shape.copy_from_slice(&info.shape);
+                    info
+                }
+                LmdbOut::Skip if plan.has_followers => plan.codec.probe(value).map_err(codec_err)?,
+                LmdbOut::Skip => return Ok(()),
+            };
+            shapes[i] = Some(info.shape);
+            return Ok(());
+        };
+
+        if let LmdbOut::Skip = out {
+            // Left out; a follower may still need the decoded shape.
+            if plan.has_followers {
+                shapes[i] = Some(plan.codec.probe(value).map_err(codec_err)?.shape);
+            }
+            return Ok(());
+        }
+        let info = plan.codec.decode(value, decoded, scratch).map_err(codec_err)?;
+        let leader_shape = plan.leader.and_then(|l| shapes[l].as_deref());
+        let known: Vec<Option<u64>> = info.shape.iter().map(|&d| Some(d)).collect();
+        let (out_dtype, out_shape) = chain.output(info.dtype, &known).map_err(|e| err(e.to_string()))?;
+        let out_shape: Vec<u64> = out_shape.into_iter().map(|d| d.expect("known input, known output")).collect();
+        let key = SampleKey { seed: sample.seed, epoch: sample.epoch, index: sample.index };
+        let apply = |dst: &mut [u8], transform: &mut transform::Scratch| {
+            chain
+                .apply(
+                    ArrayRef { bytes: decoded.as_slice(), dtype: info.dtype, shape: &info.shape },
+                    key,
+                    leader_shape,
+                    transform,
+                    dst,
+                )
+                .map_err(|e| err(e.to_string()))
+        };
+        match out {
+            LmdbOut::Fixed(dst) => {
+                if plan.fixed_shape().as_deref() != Some(&out_shape[..]) || out_dtype != plan.dtype {
+                    return Err(err(format!(
+                        "value is {info} and transforms to {out_dtype} {out_shape:?}, but the field was laid out \
+                         as {} {:?} from the first {} keys",
+                        plan.dtype, plan.shape, self.probe
+                    )));
+                }
+                apply(dst, transform)?;
+            }
+            LmdbOut::Variable { bytes, shape } => {
+                bytes.clear();
+                bytes.resize(out_shape.iter().product::<u64>() as usize * out_dtype.size(), 0);
+                apply(bytes, transform)?;
+                shape.clone_from(&out_shape);
+            }
+            LmdbOut::Ragged { data, shape } => {
+                let n = fits(&out_shape, out_dtype, data.len()).map_err(err)?;
+                apply(&mut data[..n], transform)?;
+                shape.copy_from_slice(&out_shape);
+            }
+            LmdbOut::Skip => unreachable!("left-out fields return above"),
+        }
+        shapes[i] = Some(info.shape);
+        Ok(())
+    }
+}
+
+impl Source for LmdbSource {
+    fn len(&self) -> u64 {
+        self.keys.len() as u64
+    }
+
+    fn fields(&self) -> &[FieldSpec] {
+        &self.fields
+    }
+
+    fn read_sample(&self, sample: SampleRef, out: &mut [FieldOut<'_>]) -> Result<(), SourceError> {
+        let mut outs: Vec<LmdbOut<'_>> = out
+            .iter_mut()
+            .map(|o| match o.shape.as_deref_mut() {
+                Some(shape) => LmdbOut::Ragged { data: &mut o.data[..], shape },
+                None => LmdbOut::Fixed(&mut o.data[..]),
+            })
+            .collect();
+        self.read_into(sample, &mut outs).map(drop)
+    }
+}
+
+/// An environment open in this process, shared by every dataset that reads it.
+struct SharedEnv {
+    path: PathBuf,
+    env: Env<WithoutTls>,
+    db: Database<'static, Bytes, Bytes>,
+}
+
+impl fmt::Debug for SharedEnv {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedEnv").field("path", &self.path).finish_non_exhaustive()
+    }
+}
+
+/// Environments open in this process, by canonical path. heed refuses to open
+/// one path twice, and one mapping per environment is what we want anyway.
+static OPEN_ENVS: LazyLock<Mutex<HashMap<PathBuf, Weak<SharedEnv>>>> = LazyLock::new(Default::default);
+
+impl SharedEnv {
+    fn open(path: &Path) -> Result<Arc<SharedEnv>, SourceError> {
+        let open_err = |message: String| SourceError::LmdbOpen { env: path.to_owned(), message };
+        let canonical = path.canonicalize().map_err(|e| open_err(format!("{e}")))?;
+        let mut open = OPEN_ENVS.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(env) = open.get(&canonical).and_then(Weak::upgrade) {
+            return Ok(env);
+        }
+        let single_file = canonical.is_file();
+        if !single_file && !canonical.join("data.mdb").is_file() {
+            return Err(open_err(
+                "is a directory without data.mdb; give the environment directory, or its data file for \
+                 environments written with subdir=False"
+                    .into(),
+            ));
+        }
+        let mut flags = EnvFlags::READ_ONLY | EnvFlags::NO_LOCK | EnvFlags::NO_READ_AHEAD;
+        if single_file {
+            flags |= EnvFlags::NO_SUB_DIR;
+        }
+        let mut options = EnvOpenOptions::new().read_txn_without_tls();
+        // SAFETY: NO_LOCK is unsafe only with concurrent writers, which LMDB's
+        // lock table would otherwise keep from recycling pages under our
+        // readers; a served dataset is read-only by contract (documented at
+        // the top of this module), so the environment never changes under us.
+        unsafe {
+            options.flags(flags);
+        }
+        let mut attempts = 0;
+        let env = loop {
+            // SAFETY: the mapping is only read, through heed, and the file is
+            // not modified while served (see above); heed itself checks that
+            // this process has not opened the path already.
+            match unsafe { options.open(&canonical) } {
+                // The last dataset using it is closing it right now: wait for that, then reopen.
+                Err(heed::Error::EnvAlreadyOpened) if attempts < 3 => {
+                    attempts += 1;
+                    if let Some(closing) = heed::env_closing_event(&canonical) {
+                        closing.wait_timeout(std::time::Duration::from_secs(5));
+                    }
+                }
+                result => break result.map_err(|e| open_err(format!("not a readable LMDB environment: {e}")))?,
+            }
+        };
+        let rtxn = env.read_txn().map_err(|e| open_err(e.to_string()))?;
+        let db = env
+            .open_databases_and_commit(rtxn, |opener, rtxn| -> heed::Result<_> {
+                Ok(CommitOrAbort::<_, ()>::Commit(opener.open_database::<Bytes, Bytes>(rtxn, None)?))
+            })
+            .map_err(|e| open_err(e.to_string()))?
+            .unwrap_commit()
+            .ok_or_else(|| open_err("has no main database".into()))?;
+        let shared = Arc::new(SharedEnv { path: path.to_owned(), env, db });
+        open.insert(canonical, Arc::downgrade(&shared));
+        Ok(shared)
+    }
+
+    /// The keys `filter` keeps, in LMDB order.
+    fn keys(&self, filter: &KeyFilter) -> Result<Keys, SourceError> {
+        let regex = |pattern: &str| {
+            Regex::new(pattern).map_err(|e| SourceError::LmdbOpen {
+                env: self.path.clone(),
+                message: format!("invalid key regex {pattern:?}: {e}"),
+            })
+        };
+        let keep: KeyTest = match filter {
+            KeyFilter::SkipMetadata => Box::new(|k| !is_metadata_key(k)),
+            KeyFilter::All => Box::new(|_| true),
+            KeyFilter::Prefix(prefix) => {
+                let prefix = prefix.as_bytes().to_vec();
+                Box::new(move |k| k.starts_with(&prefix))
+            }
+            KeyFilter::Include(pattern) => {
+                let re = regex(pattern)?;
+                Box::new(move |k| re.is_match(k))
+            }
+            KeyFilter::Exclude(pattern) => {
+                let re = regex(pattern)?;
+                Box::new(move |k| !re.is_match(k))
+            }
+        };
+        let err =
+            |e: heed::Error| SourceError::LmdbOpen { env: self.path.clone(), message: format!("listing keys: {e}") };
+        let rtxn = self.env.read_txn().map_err(err)?;
+        let (mut keys, mut dropped) = (Keys::default(), 0u64);
+        for entry in self.db.lazily_decode_data().iter(&rtxn).map_err(err)? {
+            let (key, _) = entry.map_err(err)?;
+            if keep(key) {
+                keys.push(key);
+            } else {
+                dropped += 1;
+            }
+        }
+        if dropped > 0 {
+            tracing::info!(env = %self.path.display(), kept = keys.len(), dropped, ?filter, "LMDB key filter");
+        }
+        Ok(keys)
+    }
+
+    /// Fails naming the first of `keys` this environment lacks.
+    fn check_has(&self, keys: &Keys, field: &str) -> Result<(), SourceError> {
+        let err = |e: heed::Error| SourceError::LmdbOpen { env: self.path.clone(), message: e.to_string() };
+        let rtxn = self.env.read_txn().map_err(err)?;
+        let mut first = None;
+        let mut missing = 0u64;
+        for key in keys.iter() {
+            if self.db.lazily_decode_data().get(&rtxn, key).map_err(err)?.is_none() {
+                missing += 1;
+                first.get_or_insert(key);
+            }
+        }
+        match first {
+            None => Ok(()),
+            Some(key) => Err(SourceError::LmdbMissingKey {
+                env: self.path.clone(),
+                field: field.to_string(),
+                key: show_key(key),
+                missing,
+                total: keys.len() as u64,
+            }),
+        }
+    }
+}
+
+/// Dtype and per-dimension shape (`None` where values differ) of a field, from its first `probe` keys.
+fn probe_field(
+    env: &SharedEnv,
+    field: &LmdbField,
+    keys: &Keys,
+    probe: usize,
+    on_error: OnError,
+) -> Result<(DType, Vec<Option<u64>>, u64), SourceError> {
+    let field_err = |message: String| SourceError::LmdbField {
+        env: field.env.clone(),
+        field: field.name.clone(),
+        codec: field.codec.to_string(),
+        message,
+    };
+    let rtxn = env.env.read_txn().map_err(|e| field_err(e.to_string()))?;
+    let mut merged: Option<(DType, Vec<Option<u64>>, String)> = None;
+    let mut largest = 0u64;
+    for index in 0..probe {
+        let key = keys.get(index);
+        let read_err = |message: String| {
+            SourceError::LmdbRead(Box::new(LmdbReadError {
+                env: field.env.clone(),
+                key: show_key(key),
+                field: field.name.clone(),
+                codec: field.codec.to_string(),
+                index: index as u64,
+                message,
+            }))
+        };
+        let probed = env
+            .db
+            .get(&rtxn, key)
+            .map_err(|e| read_err(e.to_string()))
+            .and_then(|value| value.ok_or_else(|| read_err("the key is missing".into())))
+            .and_then(|value| field.codec.probe(value).map_err(|e| read_err(e.to_string())));
+        let info = match (probed, on_error) {
+            (Ok(info), _) => info,
+            (Err(e), OnError::Fail) => return Err(e),
+            (Err(e), OnError::Skip) => {
+                tracing::warn!(error = %e, "LMDB probe: skipping a bad value");
+                continue;
+            }
+        };
+        largest = largest.max(info.bytes() as u64);
+        match &mut merged {
+            None => merged = Some((info.dtype, info.shape.iter().map(|&d| Some(d)).collect(), show_key(key))),
+            Some((dtype, shape, first_key)) => {
+                if *dtype != info.dtype || shape.len() != info.shape.len() {
+                    return Err(field_err(format!(
+                        "key {first_key:?} holds {dtype} with {} dimensions but key {:?} holds {info}; a field's \
+                         values must share dtype and number of dimensions",
+                        shape.len(),
+                        show_key(key)
+                    )));
+                }
+                for (d, &e) in shape.iter_mut().zip(&info.shape) {
+                    if *d != Some(e) {
+                        *d = None;
+                    }
+                }
+            }
+        }
+    }
+    let (dtype, shape, _) =
+        merged.ok_or_else(|| field_err(format!("none of the first {probe} values could be decoded")))?;
+    Ok((dtype, shape, largest))
+}
+
+/// Bytes of a `shape` array of `dtype`, if it fits in a ragged row of `room` bytes.
+fn fits(shape: &[u64], dtype: DType, room: usize) -> Result<usize, String> {
+    let n = shape.iter().product::<u64>() as usize * dtype.size();
+    if n > room {
+        return Err(format!(
+            "the value is {dtype} {shape:?} ({n} bytes), more than the {room} bytes reserved per sample of this \
+             variable-shape field; raise the field's max_sample_bytes"
+        ));
+    }
+    Ok(n)
+}
+
+/// A predicate on keys.
+type KeyTest = Box<dyn Fn(&[u8]) -> bool>;
+
+/// Whether `key` looks like metadata a dataset writer added beside the samples.
+fn is_metadata_key(key: &[u8]) -> bool {
+    (key.len() > 4 && key.starts_with(b"__") && key.ends_with(b"__")) || key == b"length" || key == b"keys"
+}
+
+/// Reads a key file: one key per line, or BasicSR `meta_info.txt` lines.
+fn read_key_file(path: &Path) -> Result<Keys, SourceError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| SourceError::LmdbKeyFile { path: path.to_owned(), message: e.to_string() })?;
+    let mut keys = Keys::default();
+    for line in text.lines() {
+        let line = line.trim();
+        if !line.is_empty() {
+            keys.push(basicsr_key(line).unwrap_or(line).as_bytes());
+        }
+    }
+    Ok(keys)
+}
+
+/// The key of a BasicSR `meta_info.txt` line `NAME.EXT (h,w,c) LEVEL`: NAME
+/// up to its first dot, as BasicSR's `line.split('.')[0]`. `None` for other lines.
+fn basicsr_key(line: &str) -> Option<&str> {
+    let (name, rest) = line.split_once(char::is_whitespace)?;
+    let inside = rest.trim_start().strip_prefix('(')?.split_once(')')?.0;
+    let dims_ok = inside.split(',').map(str::trim).filter(|d| !d.is_empty()).all(|d| d.parse::<u64>().is_ok());
+    (dims_ok && !inside.trim().is_empty()).then(|| name.split('.').next().unwrap_or(name))
+}
+
+/// A key for messages: as text when it is UTF-8, escaped otherwise.
+fn show_key(key: &[u8]) -> String {
+    match std::str::from_utf8(key) {
+        Ok(text) => text.to_string(),
+        Err(_) => key.escape_ascii().to_string(),
+    }
+}
+
+/// Keys packed into one allocation (a million keys cost their bytes plus 8 each).
+#[derive(Debug, Default)]
+struct Keys {
+    bytes: Vec<u8>,
+    ends: Vec<usize>,
+}
+
+impl Keys {
+    fn push(&mut self, key: &[u8]) {
+        self.bytes.extend_from_slice(key);
+        self.ends.push(self.bytes.len());
+    }
+
+    fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    fn get(&self, i: usize) -> &[u8] {
+        let start = if i == 0 { 0 } else { self.ends[i - 1] };
+        &self.bytes[start..self.ends[i]]
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &[u8]> {
+        (0..self.len()).map(|i| self.get(i))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,648 @@
+//! Per-field transforms: a [`Chain`] of crops, resize, flip, cast/normalize
+//! and HWC→CHW, applied to one decoded `[h, w]` / `[h, w, c]` array, with
+//! the last step writing straight into the slot.
+//!
+//! Randomized steps are deterministic in `(seed, epoch, index)`: each draw is
+//! a splitmix64 hash of those, the chain's *group* and the step's position,
+//! never a global RNG, so any worker produces the same sample and a resumed
+//! stream repeats itself. Fields are paired through the group: a chain
+//! declared with [`Pair`] `{ with: "lr", scale: 4 }` draws exactly what field
+//! `lr`'s chain draws, and scales the coordinates — an HR crop lies at 4× the
+//! LR crop's offset, and both flip together.
+//!
+//! Crops and flips only move a view over the decoded pixels; pixels are
+//! copied when a resize needs contiguous input and once at the end, into the
+//! destination (casting, normalizing and reordering on the way).
+
+#![forbid(unsafe_code)]
+
+mod resize;
+
+use stoker_proto::DType;
+
+use crate::codec::AlignedBuf;
+
+/// A transform step, in declaration order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    /// Crop `height × width` from the centre (offset `(H - h) / 2`, rounded down).
+    CenterCrop {
+        /// Rows kept.
+        height: u64,
+        /// Columns kept.
+        width: u64,
+    },
+    /// Crop `height × width` at an offset drawn uniformly from every position that fits.
+    RandomCrop {
+        /// Rows kept.
+        height: u64,
+        /// Columns kept.
+        width: u64,
+    },
+    /// Resize to `height × width` (uint8, uint16 or float32 data, 1–4 channels).
+    Resize {
+        /// Output rows.
+        height: u64,
+        /// Output columns.
+        width: u64,
+        /// Interpolation.
+        filter: Filter,
+    },
+    /// Mirror left–right with probability 0.5.
+    RandomHFlip,
+    /// Convert to float32, multiplied by `scale` (`1/255` maps uint8 to `[0, 1]`).
+    ToF32 {
+        /// Factor applied while converting.
+        scale: f32,
+    },
+    /// `(x - mean[c]) / std[c]` per channel, as float32 (one value broadcasts to all channels).
+    Normalize {
+        /// Per-channel mean, in the units of the input to this step.
+        mean: Vec<f32>,
+        /// Per-channel standard deviation.
+        std: Vec<f32>,
+    },
+    /// Deliver `[c, h, w]` instead of `[h, w, c]` (a `[h, w]` array becomes `[1, h, w]`).
+    ToChw,
+}
+
+/// Interpolation for [`Step::Resize`]; convolution-based, antialiased when
+/// shrinking (as Pillow's `Image.resize` and torchvision's `antialias=True`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Filter {
+    /// Nearest neighbour (labels, masks).
+    Nearest,
+    /// Bilinear (triangle) filter.
+    #[default]
+    Bilinear,
+    /// Catmull-Rom bicubic.
+    Bicubic,
+    /// Lanczos, three lobes.
+    Lanczos3,
+}
+
+/// Pairing of a field's random draws with another field's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pair {
+    /// The field whose draws this chain follows (its chain must have the same
+    /// geometric steps, sizes divided by `scale`, and no pairing of its own).
+    pub with: String,
+    /// This field's size over the other's: 4 for HR paired with 4×-downscaled LR.
+    pub scale: u64,
+}
+
+/// A decoded array a chain reads: C-ordered, native-endian bytes of `dtype` and `shape`.
+#[derive(Debug, Clone, Copy)]
+pub struct ArrayRef<'a> {
+    /// The elements.
+    pub bytes: &'a [u8],
+    /// Element type.
+    pub dtype: DType,
+    /// `[h, w]` or `[h, w, c]`.
+    pub shape: &'a [u64],
+}
+
+/// Which sample a chain runs for; the key of every random draw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SampleKey {
+    /// The stream's seed.
+    pub seed: u64,
+    /// The epoch.
+    pub epoch: u64,
+    /// The dataset index.
+    pub index: u64,
+}
+
+/// Errors declaring a chain or applying it to an array.
+#[derive(Debug, thiserror::Error)]
+pub enum TransformError {
+    /// The chain itself is malformed (found when it is built).
+    #[error("field {field:?}: invalid transforms: {message}")]
+    Invalid {
+        /// The field.
+        field: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// The array does not suit the chain (too small to crop, wrong rank, unsupported type).
+    #[error("field {field:?}: {message}")]
+    Input {
+        /// The field.
+        field: String,
+        /// What does not fit.
+        message: String,
+    },
+}
+
+/// Buffers a chain reuses between samples (one per worker).
+#[derive(Debug, Default)]
+pub struct Scratch {
+    a: AlignedBuf,
+    b: AlignedBuf,
+    resizer: resize::Resizer,
+}
+
+/// A field's transforms, validated.
+#[derive(Debug, Clone)]
+pub struct Chain {
+    field: String,
+    steps: Vec<Step>,
+    pair: Option<Pair>,
+    /// Hash of the field whose draws this chain makes (its own, or `pair.with`).
+    group: u64,
+}
+
+impl Chain {
+    /// Validates `steps` for `field`, optionally paired with another field.
+    pub fn new(field: &str, steps: Vec<Step>, pair: Option<Pair>) -> Result<Chain, TransformError> {
+        let invalid = |message: String| TransformError::Invalid { field: field.to_string(), message };
+        let mut chw = false;
+        for step in &steps {
+            match step {
+                Step::CenterCrop { height, width }
+                | Step::RandomCrop { height, width }
+                | Step::Resize { height, width, .. }
+                    if *height == 0 || *width == 0 =>
+                {
+                    return Err(invalid(format!("{step:?} has a zero size")));
+                }
+                Step::Normalize { mean, std } => {
+                    if mean.is_empty() || mean.len() != std.len() {
+                        return Err(invalid(format!(
+                            "normalize needs as many std values as mean values (one per channel, or one for all); got {} and {}",
+                            mean.len(),
+                            std.len()
+                        )));
+                    }
+                    if std.iter().any(|s| *s == 0.0 || !s.is_finite()) || mean.iter().any(|m| !m.is_finite()) {
+                        return Err(invalid("normalize needs finite mean and non-zero finite std".into()));
+                    }
+                }
+                Step::ToF32 { scale } if !scale.is_finite() => {
+                    return Err(invalid("to_f32 scale must be finite".into()));
+                }
+                Step::ToChw if chw => return Err(invalid("to_chw appears twice".into())),
+                Step::ToChw => chw = true,
+                _ => {}
+            }
+            if chw && step.is_geometric() {
+                return Err(invalid(format!("{step:?} comes after to_chw; crops, resizes and flips go before it")));
+            }
+        }
+        if let Some(pair) = &pair {
+            if pair.scale == 0 {
+                return Err(invalid("pair scale must be at least 1".into()));
+            }
+            if pair.with == field {
+                return Err(invalid("a field cannot pair with itself".into()));
+            }
+        }
+        let group = fnv1a(pair.as_ref().map_or(field, |p| p.with.as_str()).as_bytes());
+        Ok(Chain { field: field.to_string(), steps, pair, group })
+    }
+
+    /// The field this chain belongs to.
+    pub fn field(&self) -> &str {
+        &self.field
+    }
+
+    /// The steps.
+    pub fn steps(&self) -> &[Step] {
+        &self.steps
+    }
+
+    /// Whom this chain follows, if anyone.
+    pub fn pair(&self) -> Option<&Pair> {
+        self.pair.as_ref()
+    }
+
+    /// Whether the chain does nothing (decode straight into the slot instead).
+    pub fn is_empty(&self) -> bool {
+        self.steps.is_empty()
+    }
+
+    /// Checks that `self` can follow `leader` (the chain of `self.pair().with`):
+    /// same geometric steps in the same order, each size `scale` times the leader's.
+    pub fn check_pair(&self, leader: &Chain) -> Result<(), TransformError> {
+        let Some(pair) = &self.pair else { return Ok(()) };
+        let invalid = |message: String| TransformError::Invalid { field: self.field.clone(), message };
+        if leader.pair.is_some() {
+            return Err(invalid(format!(
+                "pairs with {:?}, which pairs with another field itself; pair every field with the same leader",
+                leader.field
+            )));
+        }
+        let mine: Vec<&Step> = self.steps.iter().filter(|s| s.is_geometric()).collect();
+        let theirs: Vec<&Step> = leader.steps.iter().filter(|s| s.is_geometric()).collect();
+        let s = pair.scale;
+        let fits = mine.len() == theirs.len()
+            && mine.iter().zip(&theirs).all(|(a, b)| match (a, b) {
+                (Step::CenterCrop { height: h, width: w }, Step::CenterCrop { height: lh, width: lw })
+                | (Step::RandomCrop { height: h, width: w }, Step::RandomCrop { height: lh, width: lw })
+                | (Step::Resize { height: h, width: w, .. }, Step::Resize { height: lh, width: lw, .. }) => {
+                    *h == s * lh && *w == s * lw
+                }
+                (Step::RandomHFlip, Step::RandomHFlip) => true,
+                _ => false,
+            });
+        if !fits {
+            return Err(invalid(format!(
+                "pairs with {:?} at scale {s}, so its crops, resizes and flips must be {:?}'s in the same order with \
+                 sizes × {s}; they are {mine:?} vs {theirs:?}",
+                leader.field, leader.field
+            )));
+        }
+        Ok(())
+    }
+
+    /// Dtype and shape out of the chain for an input of `dtype` and `shape`
+    /// (`None` marks a dimension that varies between samples).
+    pub fn output(&self, dtype: DType, shape: &[Option<u64>]) -> Result<(DType, Vec<Option<u64>>), TransformError> {
+        let input = |message: String| TransformError::Input { field: self.field.clone(), message };
+        let (mut h, mut w, c, planar) = match *shape {
+            [h, w] => (h, w, Some(1), true),
+            [h, w, c] => (h, w, c, false),
+            _ => {
+                return Err(input(format!(
+                    "transforms work on [height, width] or [height, width, channels] arrays, not {} dimensions",
+                    shape.len()
+                )));
+            }
+        };
+        let mut dtype_out = dtype;
+        let mut chw = false;
+        for step in &self.steps {
+            match step {
+                Step::CenterCrop { height, width } | Step::RandomCrop { height, width } => {
+                    if let (Some(hh), Some(ww)) = (h, w)
+                        && (*height > hh || *width > ww)
+                    {
+                        return Err(input(format!("cannot crop {height}×{width} from {hh}×{ww}")));
+                    }
+                    (h, w) = (Some(*height), Some(*width));
+                }
+                Step::Resize { height, width, .. } => {
+                    resize::check(dtype_out, c).map_err(input)?;
+                    (h, w) = (Some(*height), Some(*width));
+                }
+                Step::RandomHFlip => {}
+                Step::ToF32 { .. } => dtype_out = DType::F32,
+                Step::Normalize { mean, .. } => {
+                    if let Some(c) = c
+                        && mean.len() != 1
+                        && mean.len() as u64 != c
+                    {
+                        return Err(input(format!("normalize has {} means for {c} channels", mean.len())));
+                    }
+                    dtype_out = DType::F32;
+                }
+                Step::ToChw => chw = true,
+            }
+        }
+        let shape = match (chw, planar) {
+            (true, _) => vec![c, h, w],
+            (false, true) => vec![h, w],
+            (false, false) => vec![h, w, c],
+        };
+        Ok((dtype_out, shape))
+    }
+
+    /// Runs the chain on `input` and writes the
+    /// result into `dst`, which must hold exactly the output's bytes.
+    ///
+    /// A paired chain is given the leader field's input shape for this sample
+    /// (`leader_shape`): its own input must be `scale` times as high and wide.
+    pub fn apply(
+        &self,
+        input: ArrayRef<'_>,
+        key: SampleKey,
+        leader_shape: Option<&[u64]>,
+        scratch: &mut Scratch,
+        dst: &mut [u8],
+    ) -> Result<(), TransformError> {
+        let ArrayRef { bytes: input, dtype, shape } = input;
+        let err = |message: String| TransformError::Input { field: self.field.clone(), message };
+        let known: Vec<Option<u64>> = shape.iter().map(|&d| Some(d)).collect();
+        let (out_dtype, out_shape) = self.output(dtype, &known)?;
+        let out_bytes = out_shape.iter().map(|d| d.expect("known input gives a known output")).product::<u64>()
+            as usize
+            * out_dtype.size();
+        if dst.len() != out_bytes {
+            return Err(err(format!(
+                "output is {out_dtype} {out_shape:?} ({out_bytes} bytes) but the destination holds {} bytes",
+                dst.len()
+            )));
+        }
+        let (h, w, c) = (shape[0], shape[1], shape.get(2).copied().unwrap_or(1));
+        if input.len() as u64 != h * w * c * dtype.size() as u64 {
+            return Err(err(format!("input holds {} bytes, not {dtype} {shape:?}", input.len())));
+        }
+        // Geometry in the leader's units: `scale` × lead = own size.
+        let scale = self.pair.as_ref().map_or(1, |p| p.scale);
+        let mut lead = match (&self.pair, leader_shape) {
+            (None, _) => (h, w),
+            (Some(pair), Some(&[lh, lw, ..])) => {
+                if h != pair.scale * lh || w != pair.scale * lw {
+                    return Err(err(format!(
+                        "is {h}×{w} but {:?} is {lh}×{lw}: at scale {} they must be {}×{}",
+                        pair.with,
+                        pair.scale,
+                        pair.scale * lh,
+                        pair.scale * lw
+                    )));
+                }
+                (lh, lw)
+            }
+            (Some(pair), _) => return Err(err(format!("pairs with {:?} but its shape was not given", pair.with))),
+        };
+
+        let mut view = View { backing: Backing::Input, offset: 0, h, w, c, stride: w * c, flipped: false, dtype };
+        let mut affine = Affine::identity(c as usize);
+        let mut chw = false;
+        let mut random = 0u64; // position among random steps: the draw's key
+        for step in &self.steps {
+            match step {
+                Step::CenterCrop { height, width } => {
+                    let (lh, lw) = (height / scale, width / scale);
+                    if lh > lead.0 || lw > lead.1 {
+                        return Err(err(format!("cannot crop {height}×{width} from {}×{}", view.h, view.w)));
+                    }
+                    let top = (lead.0 - lh) / 2 * scale;
+                    let left = (lead.1 - lw) / 2 * scale;
+                    view.crop(top, left, *height, *width).map_err(&err)?;
+                    lead = (lh, lw);
+                }
+                Step::RandomCrop { height, width } => {
+                    let (lh, lw) = (height / scale, width / scale);
+                    if lh > lead.0 || lw > lead.1 {
+                        return Err(err(format!("cannot crop {height}×{width} from {}×{}", view.h, view.w)));
+                    }
+                    let r = draw(key, self.group, random);
+                    random += 1;
+                    let top = uniform(r, lead.0 - lh + 1) * scale;
+                    let left = uniform(splitmix64(r), lead.1 - lw + 1) * scale;
+                    view.crop(top, left, *height, *width).map_err(&err)?;
+                    lead = (lh, lw);
+                }
+                Step::RandomHFlip => {
+                    if draw(key, self.group, random) >> 63 == 1 {
+                        view.flipped = !view.flipped;
+                    }
+                    random += 1;
+                }
+                Step::Resize { height, width, filter } => {
+                    // Resize reads unflipped pixels of the working type: settle flips and casts first.
+                    if view.flipped || !affine.is_identity() {
+                        view = materialize_to_scratch(input, view, &affine, scratch);
+                        affine = Affine::identity(c as usize);
+                    }
+                    view = resize::resize_to_scratch(input, view, *height, *width, *filter, scratch).map_err(&err)?;
+                    lead = (height / scale, width / scale);
+                }
+                Step::ToF32 { scale } => affine.then_scale(*scale),
+                Step::Normalize { mean, std } => affine.then_normalize(mean, std),
+                Step::ToChw => chw = true,
+            }
+        }
+        let src = scratch.slice(input, view.backing);
+        write_out(src, &view, &affine, chw, dst);
+        Ok(())
+    }
+}
+
+impl Step {
+    /// Whether the step moves pixels (and so must match between paired chains).
+    fn is_geometric(&self) -> bool {
+        matches!(self, Step::CenterCrop { .. } | Step::RandomCrop { .. } | Step::Resize { .. } | Step::RandomHFlip)
+    }
+}
+
+/// Where a view's pixels live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Backing {
+    Input,
+    A,
+    B,
+}
+
+/// A window onto HWC pixels: `h × w × c` elements starting at element
+/// `offset`, rows `stride` elements apart, optionally mirrored left–right.
+#[derive(Debug, Clone, Copy)]
+struct View {
+    backing: Backing,
+    offset: u64,
+    h: u64,
+    w: u64,
+    c: u64,
+    stride: u64,
+    flipped: bool,
+    dtype: DType,
+}
+
+impl View {
+    /// Narrows to `height × width` at (`top`, `left`) in displayed (flipped) coordinates.
+    fn crop(&mut self, top: u64, left: u64, height: u64, width: u64) -> Result<(), String> {
+        if top + height > self.h || left + width > self.w {
+            // Only reachable by a paired chain whose sizes are not `scale` × its leader's.
+            return Err(format!(
+                "crop {height}×{width} at ({top}, {left}) does not fit in {}×{}; are the paired sizes scale × the leader's?",
+                self.h, self.w
+            ));
+        }
+        let column = if self.flipped { self.w - left - width } else { left };
+        self.offset += top * self.stride + column * self.c;
+        self.h = height;
+        self.w = width;
+        Ok(())
+    }
+
+    /// Element offset of displayed pixel (`y`, `x`).
+    fn at(&self, y: u64, x: u64) -> u64 {
+        let column = if self.flipped { self.w - 1 - x } else { x };
+        self.offset + y * self.stride + column * self.c
+    }
+
+    /// Top and left of the view within its backing rows.
+    fn origin(&self) -> (u64, u64) {
+        (self.offset / self.stride, self.offset % self.stride / self.c)
+    }
+}
+
+impl Scratch {
+    /// A new, empty scratch.
+    pub fn new() -> Scratch {
+        Scratch::default()
+    }
+
+    fn slice<'a>(&'a self, input: &'a [u8], backing: Backing) -> &'a [u8] {
+        match backing {
+            Backing::Input => input,
+            Backing::A => self.a.as_slice(),
+            Backing::B => self.b.as_slice(),
+        }
+    }
+
+    /// The buffer not holding `busy`, with the other one readable.
+    fn split<'a>(&'a mut self, input: &'a [u8], busy: Backing) -> (&'a [u8], &'a mut AlignedBuf, Backing) {
+        match busy {
+            Backing::Input => (input, &mut self.a, Backing::A),
+            Backing::A => (self.a.as_slice(), &mut self.b, Backing::B),
+            Backing::B => (self.b.as_slice(), &mut self.a, Backing::A),
+        }
+    }
+}
+
+/// Per-channel `x * mul + add`, accumulated from ToF32 and Normalize; `None` until one appears.
+#[derive(Debug, Clone)]
+struct Affine {
+    channels: usize,
+    coefficients: Option<Vec<(f64, f64)>>,
+}
+
+impl Affine {
+    fn identity(channels: usize) -> Affine {
+        Affine { channels, coefficients: None }
+    }
+
+    fn is_identity(&self) -> bool {
+        self.coefficients.is_none()
+    }
+
+    fn coefficients(&mut self) -> &mut Vec<(f64, f64)> {
+        let channels = self.channels;
+        self.coefficients.get_or_insert_with(|| vec![(1.0, 0.0); channels])
+    }
+
+    fn then_scale(&mut self, scale: f32) {
+        for (mul, add) in self.coefficients() {
+            *mul *= f64::from(scale);
+            *add *= f64::from(scale);
+        }
+    }
+
+    fn then_normalize(&mut self, mean: &[f32], std: &[f32]) {
+        for (ch, (mul, add)) in self.coefficients().iter_mut().enumerate() {
+            let (m, s) = if mean.len() == 1 { (mean[0], std[0]) } else { (mean[ch], std[ch]) };
+            *mul /= f64::from(s);
+            *add = (*add - f64::from(m)) / f64::from(s);
+        }
+    }
+}
+
+/// Copies `view` into fresh contiguous scratch memory, unflipped and with `affine` applied.
+fn materialize_to_scratch(input: &[u8], view: View, affine: &Affine, scratch: &mut Scratch) -> View {
+    let out_dtype = if affine.is_identity() { view.dtype } else { DType::F32 };
+    let bytes = (view.h * view.w * view.c) as usize * out_dtype.size();
+    let (src, buf, backing) = scratch.split(input, view.backing);
+    let dst = buf.resize(bytes);
+    write_out(src, &view, affine, false, dst);
+    View { backing, offset: 0, stride: view.w * view.c, flipped: false, dtype: out_dtype, ..view }
+}
+
+/// Writes `view` of `src` into `dst` contiguously (HWC, or CHW when `chw`),
+/// converting to float32 through `affine` when it is set.
+fn write_out(src: &[u8], view: &View, affine: &Affine, chw: bool, dst: &mut [u8]) {
+    let (h, w, c) = (view.h as usize, view.w as usize, view.c as usize);
+    let size = view.dtype.size();
+    let dst_index = |y: usize, x: usize, ch: usize| if chw { (ch * h + y) * w + x } else { (y * w + x) * c + ch };
+    match &affine.coefficients {
+        None if !chw && !view.flipped => {
+            let row = w * c * size;
+            for (y, out) in dst.chunks_exact_mut(row).enumerate() {
+                let at = view.at(y as u64, 0) as usize * size;
+                out.copy_from_slice(&src[at..at + row]);
+            }
+        }
+        None => {
+            for y in 0..h {
+                for x in 0..w {
+                    let at = view.at(y as u64, x as u64) as usize;
+                    for ch in 0..c {
+                        let from = (at + ch) * size;
+                        let to = dst_index(y, x, ch) * size;
+                        dst[to..to + size].copy_from_slice(&src[from..from + size]);
+                    }
+                }
+            }
+        }
+        Some(coefficients) => {
+            let read = reader(view.dtype);
+            let coefficients: Vec<(f32, f32)> = coefficients.iter().map(|&(m, a)| (m as f32, a as f32)).collect();
+            for y in 0..h {
+                for x in 0..w {
+                    let at = view.at(y as u64, x as u64) as usize;
+                    for (ch, &(mul, add)) in coefficients.iter().enumerate() {
+                        let from = (at + ch) * size;
+                        let value = read(&src[from..from + size]).mul_add(mul, add);
+                        let to = dst_index(y, x, ch) * 4;
+                        dst[to..to + 4].copy_from_slice(&value.to_ne_bytes());
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Reads one native-endian element of `dtype` as f32.
+fn reader(dtype: DType) -> fn(&[u8]) -> f32 {
+    fn arr<const N: usize>(b: &[u8]) -> [u8; N] {
+        b.try_into().expect("element slices have the dtype's size")
+    }
+    match dtype {
+        DType::Bool | DType::U8 => |b| f32::from(b[0]),
+        DType::I8 => |b| f32::from(b[0] as i8),
+        DType::U16 => |b| f32::from(u16::from_ne_bytes(arr(b))),
+        DType::I16 => |b| f32::from(i16::from_ne_bytes(arr(b))),
+        DType::U32 => |b| u32::from_ne_bytes(arr(b)) as f32,
+        DType::I32 => |b| i32::from_ne_bytes(arr(b)) as f32,
+        DType::U64 => |b| u64::from_ne_bytes(arr(b)) as f32,
+        DType::I64 => |b| i64::from_ne_bytes(arr(b)) as f32,
+        DType::F16 => |b| f16_to_f32(u16::from_ne_bytes(arr(b))),
+        DType::F32 => |b| f32::from_ne_bytes(arr(b)),
+        DType::F64 => |b| f64::from_ne_bytes(arr(b)) as f32,
+    }
+}
+
+/// IEEE 754 half → single, exact (including subnormals, infinities, NaN).
+fn f16_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h >> 15) << 31;
+    let exp = u32::from((h >> 10) & 0x1F);
+    let frac = u32::from(h & 0x3FF);
+    let bits = match (exp, frac) {
+        (0, 0) => sign,
+        (0, _) => {
+            // Subnormal: value = frac × 2^-24, exactly representable in f32.
+            let value = frac as f32 * f32::from_bits(0x3380_0000); // 2^-24
+            return if sign != 0 { -value } else { value };
+        }
+        (0x1F, _) => sign | 0x7F80_0000 | (frac << 13),
+        _ => sign | ((exp + 127 - 15) << 23) | (frac << 13),
+    };
+    f32::from_bits(bits)
+}
+
+/// splitmix64's output function: a bijective 64-bit mix.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The random word for the `step`-th random step of `group` in sample `key`.
+fn draw(key: SampleKey, group: u64, step: u64) -> u64 {
+    [key.epoch, key.index, group, step].into_iter().fold(splitmix64(key.seed), |h, v| splitmix64(h ^ v))
+}
+
+/// Maps a random word to `0..n` (multiply-high; bias below 2^-32 for any realistic `n`).
+fn uniform(r: u64, n: u64) -> u64 {
+    ((u128::from(r) * u128::from(n)) >> 64) as u64
+}
+
+/// FNV-1a: a stable hash of a field name (std's hasher is seeded per process).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xCBF2_9CE4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01B3))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,352 @@
+//! Transform tests against hand-computed values (and Pillow's bilinear resize).
+
+use std::path::Path;
+
+use stoker_proto::DType;
+
+use super::*;
+
+const KEY: SampleKey = SampleKey { seed: 7, epoch: 3, index: 11 };
+
+fn key(index: u64) -> SampleKey {
+    SampleKey { index, ..KEY }
+}
+
+/// `h × w × c` uint8 pixels with value `f(y, x, ch)`.
+fn image(h: usize, w: usize, c: usize, f: impl Fn(usize, usize, usize) -> u8) -> Vec<u8> {
+    let mut v = Vec::with_capacity(h * w * c);
+    for y in 0..h {
+        for x in 0..w {
+            for ch in 0..c {
+                v.push(f(y, x, ch));
+            }
+        }
+    }
+    v
+}
+
+fn run(chain: &Chain, input: &[u8], dtype: DType, shape: &[u64], key: SampleKey) -> Vec<u8> {
+    run_paired(chain, input, dtype, shape, key, None)
+}
+
+fn run_paired(
+    chain: &Chain,
+    input: &[u8],
+    dtype: DType,
+    shape: &[u64],
+    key: SampleKey,
+    leader: Option<&[u64]>,
+) -> Vec<u8> {
+    let known: Vec<Option<u64>> = shape.iter().map(|&d| Some(d)).collect();
+    let (out_dtype, out_shape) = chain.output(dtype, &known).unwrap();
+    let bytes = out_shape.iter().map(|d| d.unwrap()).product::<u64>() as usize * out_dtype.size();
+    let mut dst = vec![0xEEu8; bytes];
+    chain.apply(ArrayRef { bytes: input, dtype, shape }, key, leader, &mut Scratch::new(), &mut dst).unwrap();
+    dst
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(4).map(|b| f32::from_ne_bytes(b.try_into().unwrap())).collect()
+}
+
+fn chain(steps: Vec<Step>) -> Chain {
+    Chain::new("x", steps, None).unwrap()
+}
+
+#[test]
+fn center_crop_by_hand() {
+    // 5 × 6 gray, value 10y + x; crop 3 × 4 sits at top (5-3)/2 = 1, left (6-4)/2 = 1.
+    let input = image(5, 6, 1, |y, x, _| (10 * y + x) as u8);
+    let out = run(&chain(vec![Step::CenterCrop { height: 3, width: 4 }]), &input, DType::U8, &[5, 6], KEY);
+    assert_eq!(out, vec![11, 12, 13, 14, 21, 22, 23, 24, 31, 32, 33, 34]);
+    // Odd leftovers round down: 4 × 4 from 5 × 6 → top 0, left 1.
+    let out = run(&chain(vec![Step::CenterCrop { height: 4, width: 4 }]), &input, DType::U8, &[5, 6], KEY);
+    assert_eq!(&out[..4], &[1, 2, 3, 4]);
+}
+
+#[test]
+fn random_crop_is_keyed_and_covers_every_offset() {
+    let input = image(6, 6, 2, |y, x, ch| (10 * y + x + 100 * ch) as u8);
+    let c = chain(vec![Step::RandomCrop { height: 4, width: 4 }]);
+    let mut seen = std::collections::HashSet::new();
+    for index in 0..400 {
+        let out = run(&c, &input, DType::U8, &[6, 6, 2], key(index));
+        assert_eq!(out, run(&c, &input, DType::U8, &[6, 6, 2], key(index)), "same key, same crop");
+        let (top, left) = (out[0] as usize / 10, out[0] as usize % 10);
+        assert!(top <= 2 && left <= 2);
+        assert_eq!(out, image(4, 4, 2, |y, x, ch| (10 * (y + top) + x + left + 100 * ch) as u8));
+        seen.insert((top, left));
+    }
+    assert_eq!(seen.len(), 9, "every one of the 3 × 3 offsets is drawn");
+    // Another seed or epoch draws differently for some index.
+    let other = SampleKey { epoch: 4, ..KEY };
+    assert!((0..20).any(|i| run(&c, &input, DType::U8, &[6, 6, 2], key(i))
+        != run(&c, &input, DType::U8, &[6, 6, 2], SampleKey { index: i, ..other })));
+}
+
+#[test]
+fn flip_is_a_fair_keyed_coin_and_mirrors() {
+    let input = image(2, 3, 2, |y, x, ch| (10 * y + x + 100 * ch) as u8);
+    let mirrored = image(2, 3, 2, |y, x, ch| (10 * y + (2 - x) + 100 * ch) as u8);
+    let c = chain(vec![Step::RandomHFlip]);
+    let flips = (0..2000)
+        .filter(|&i| {
+            let out = run(&c, &input, DType::U8, &[2, 3, 2], key(i));
+            assert!(out == input || out == mirrored);
+            out == mirrored
+        })
+        .count();
+    assert!((900..1100).contains(&flips), "{flips} flips in 2000");
+}
+
+#[test]
+fn crop_after_flip_crops_the_flipped_image() {
+    let input = image(5, 6, 1, |y, x, _| (10 * y + x) as u8);
+    let c = chain(vec![Step::RandomHFlip, Step::CenterCrop { height: 3, width: 3 }]);
+    let plain = image(3, 3, 1, |y, x, _| (10 * (y + 1) + x + 1) as u8);
+    // Flipped: column x of the flipped image is 5 - x of the input; crop columns 1..4.
+    let flipped = image(3, 3, 1, |y, x, _| (10 * (y + 1) + (5 - (x + 1))) as u8);
+    let outs: Vec<Vec<u8>> = (0..16).map(|i| run(&c, &input, DType::U8, &[5, 6], key(i))).collect();
+    assert!(outs.iter().all(|o| *o == plain || *o == flipped));
+    assert!(outs.contains(&plain) && outs.contains(&flipped));
+}
+
+#[test]
+fn normalize_and_chw_by_hand() {
+    // 1 × 2 × 3 uint8: pixel 0 = (0, 51, 255), pixel 1 = (255, 102, 0).
+    let input = vec![0u8, 51, 255, 255, 102, 0];
+    let c = chain(vec![
+        Step::ToF32 { scale: 1.0 / 255.0 },
+        Step::Normalize { mean: vec![0.5, 0.2, 0.0], std: vec![0.5, 0.1, 2.0] },
+        Step::ToChw,
+    ]);
+    let (dtype, shape) = c.output(DType::U8, &[Some(1), Some(2), Some(3)]).unwrap();
+    assert_eq!((dtype, shape), (DType::F32, vec![Some(3), Some(1), Some(2)]));
+    let out = f32s(&run(&c, &input, DType::U8, &[1, 2, 3], KEY));
+    // Channel-major: R = ((0, 1) - 0.5) / 0.5; G = ((0.2, 0.4) - 0.2) / 0.1; B = ((1, 0) - 0) / 2.
+    let want = [-1.0, 1.0, 0.0, 2.0, 0.5, 0.0];
+    for (got, want) in out.iter().zip(want) {
+        assert!((got - want).abs() < 1e-5, "{out:?} vs {want:?}");
+    }
+    // A gray [h, w] array becomes [1, h, w]; one mean/std broadcasts.
+    let c = chain(vec![Step::Normalize { mean: vec![10.0], std: vec![2.0] }, Step::ToChw]);
+    let (dtype, shape) = c.output(DType::U16, &[Some(1), Some(2)]).unwrap();
+    assert_eq!((dtype, shape), (DType::F32, vec![Some(1), Some(1), Some(2)]));
+    let input: Vec<u8> = [4u16, 30].iter().flat_map(|v| v.to_ne_bytes()).collect();
+    assert_eq!(f32s(&run(&c, &input, DType::U16, &[1, 2], KEY)), vec![-3.0, 10.0]);
+}
+
+#[test]
+fn chw_without_cast_keeps_the_dtype() {
+    let input = image(2, 2, 3, |y, x, ch| (100 * ch + 10 * y + x) as u8);
+    let out = run(&chain(vec![Step::ToChw]), &input, DType::U8, &[2, 2, 3], KEY);
+    assert_eq!(out, vec![0, 1, 10, 11, 100, 101, 110, 111, 200, 201, 210, 211]);
+}
+
+#[test]
+fn casts_every_dtype() {
+    let c = chain(vec![Step::ToF32 { scale: 1.0 }]);
+    let cases: Vec<(DType, Vec<u8>, f32)> = vec![
+        (DType::Bool, vec![1], 1.0),
+        (DType::I8, (-5i8).to_ne_bytes().to_vec(), -5.0),
+        (DType::I16, (-300i16).to_ne_bytes().to_vec(), -300.0),
+        (DType::U32, 70_000u32.to_ne_bytes().to_vec(), 70_000.0),
+        (DType::I64, (-9i64).to_ne_bytes().to_vec(), -9.0),
+        (DType::F16, 0xC100u16.to_ne_bytes().to_vec(), -2.5),
+        (DType::F64, 0.25f64.to_ne_bytes().to_vec(), 0.25),
+    ];
+    for (dtype, bytes, want) in cases {
+        assert_eq!(f32s(&run(&c, &bytes, dtype, &[1, 1], KEY)), vec![want], "{dtype}");
+    }
+}
+
+#[test]
+fn half_floats_convert_exactly() {
+    assert_eq!(f16_to_f32(0x3C00), 1.0);
+    assert_eq!(f16_to_f32(0xC000), -2.0);
+    assert_eq!(f16_to_f32(0x7BFF), 65504.0);
+    assert_eq!(f16_to_f32(0x0001), 2f32.powi(-24));
+    assert_eq!(f16_to_f32(0x8000).to_bits(), (-0.0f32).to_bits());
+    assert_eq!(f16_to_f32(0x7C00), f32::INFINITY);
+    assert!(f16_to_f32(0x7E00).is_nan());
+}
+
+/// HR = LR with every pixel blown up into a 4 × 4 block, so a correctly
+/// paired HR crop is exactly the blown-up LR crop.
+fn blow_up(lr: &[u8], h: usize, w: usize, c: usize, s: usize) -> Vec<u8> {
+    image(h * s, w * s, c, |y, x, ch| lr[((y / s) * w + x / s) * c + ch])
+}
+
+#[test]
+fn paired_crops_and_flips_line_up_exactly() {
+    let (h, w, c, s) = (9, 11, 3, 4);
+    let lr = image(h, w, c, |y, x, ch| (y * 23 + x * 7 + ch * 80) as u8);
+    let hr = blow_up(&lr, h, w, c, s);
+    let lr_chain = Chain::new("lr", vec![Step::RandomCrop { height: 4, width: 5 }, Step::RandomHFlip], None).unwrap();
+    let hr_chain = Chain::new(
+        "hr",
+        vec![Step::RandomCrop { height: 16, width: 20 }, Step::RandomHFlip],
+        Some(Pair { with: "lr".into(), scale: 4 }),
+    )
+    .unwrap();
+    hr_chain.check_pair(&lr_chain).unwrap();
+    let mut offsets = std::collections::HashSet::new();
+    for index in 0..200 {
+        let lr_out = run(&lr_chain, &lr, DType::U8, &[9, 11, 3], key(index));
+        let hr_out = run_paired(&hr_chain, &hr, DType::U8, &[36, 44, 3], key(index), Some(&[9, 11, 3]));
+        assert_eq!(hr_out, blow_up(&lr_out, 4, 5, 3, 4), "index {index}");
+        offsets.insert(lr_out[..3].to_vec());
+    }
+    assert!(offsets.len() > 20, "crops vary: {} distinct", offsets.len());
+    // An unpaired chain with the same steps on another field draws on its own.
+    let solo = Chain::new("other", vec![Step::RandomCrop { height: 4, width: 5 }, Step::RandomHFlip], None).unwrap();
+    assert!((0..20).any(
+        |i| run(&solo, &lr, DType::U8, &[9, 11, 3], key(i)) != run(&lr_chain, &lr, DType::U8, &[9, 11, 3], key(i))
+    ));
+}
+
+#[test]
+fn paired_center_crop_then_resize() {
+    // Odd leftovers: the leader rounds its offset, the follower scales the rounded offset.
+    let (h, w, c, s) = (7, 8, 1, 2);
+    let lr = image(h, w, c, |y, x, _| (y * 16 + x) as u8);
+    let hr = blow_up(&lr, h, w, c, s);
+    let lr_chain = Chain::new("lr", vec![Step::CenterCrop { height: 4, width: 4 }], None).unwrap();
+    let hr_chain =
+        Chain::new("hr", vec![Step::CenterCrop { height: 8, width: 8 }], Some(Pair { with: "lr".into(), scale: 2 }))
+            .unwrap();
+    hr_chain.check_pair(&lr_chain).unwrap();
+    let lr_out = run(&lr_chain, &lr, DType::U8, &[7, 8, 1], KEY);
+    let hr_out = run_paired(&hr_chain, &hr, DType::U8, &[14, 16, 1], KEY, Some(&[7, 8, 1]));
+    assert_eq!(hr_out, blow_up(&lr_out, 4, 4, 1, 2));
+}
+
+#[test]
+fn pairing_is_checked() {
+    let lr = Chain::new("lr", vec![Step::RandomCrop { height: 4, width: 4 }], None).unwrap();
+    let pair = || Some(Pair { with: "lr".into(), scale: 4 });
+    let wrong_size = Chain::new("hr", vec![Step::RandomCrop { height: 15, width: 16 }], pair()).unwrap();
+    assert!(wrong_size.check_pair(&lr).is_err());
+    let extra_flip =
+        Chain::new("hr", vec![Step::RandomCrop { height: 16, width: 16 }, Step::RandomHFlip], pair()).unwrap();
+    assert!(extra_flip.check_pair(&lr).is_err());
+    let good = Chain::new("hr", vec![Step::RandomCrop { height: 16, width: 16 }, Step::ToChw], pair()).unwrap();
+    good.check_pair(&lr).unwrap();
+    // At read time the follower's input must be scale × the leader's.
+    let hr = vec![0u8; 30 * 32];
+    let mut dst = vec![0u8; 16 * 16];
+    let err = good
+        .apply(
+            ArrayRef { bytes: &hr, dtype: DType::U8, shape: &[30, 32] },
+            KEY,
+            Some(&[8, 8]),
+            &mut Scratch::new(),
+            &mut dst,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("at scale 4 they must be 32×32"), "{err}");
+    let chained = Chain::new("x", vec![], Some(Pair { with: "hr".into(), scale: 1 })).unwrap();
+    assert!(chained.check_pair(&good).is_err(), "no chains of followers");
+    assert!(Chain::new("lr", vec![], Some(Pair { with: "lr".into(), scale: 2 })).is_err());
+    assert!(Chain::new("hr", vec![], Some(Pair { with: "lr".into(), scale: 0 })).is_err());
+}
+
+#[test]
+fn declared_output_shapes() {
+    let c = chain(vec![Step::RandomCrop { height: 96, width: 64 }, Step::ToF32 { scale: 1.0 }, Step::ToChw]);
+    assert_eq!(c.output(DType::U8, &[None, None, Some(3)]).unwrap(), (DType::F32, vec![Some(3), Some(96), Some(64)]));
+    assert_eq!(c.output(DType::U8, &[None, None, None]).unwrap().1, vec![None, Some(96), Some(64)]);
+    assert!(c.output(DType::U8, &[Some(50), Some(200), Some(3)]).is_err(), "too small to crop");
+    assert!(c.output(DType::U8, &[Some(5)]).is_err(), "rank 1");
+    let r = chain(vec![Step::Resize { height: 8, width: 8, filter: Filter::Bilinear }]);
+    assert!(r.output(DType::I16, &[Some(9), Some(9)]).is_err());
+    assert!(r.output(DType::U8, &[Some(9), Some(9), Some(5)]).is_err());
+    assert_eq!(r.output(DType::U16, &[None, None, Some(4)]).unwrap(), (DType::U16, vec![Some(8), Some(8), Some(4)]));
+    let n = chain(vec![Step::Normalize { mean: vec![0.0, 0.0], std: vec![1.0, 1.0] }]);
+    assert!(n.output(DType::U8, &[Some(2), Some(2), Some(3)]).is_err());
+}
+
+#[test]
+fn malformed_chains_are_rejected() {
+    for steps in [
+        vec![Step::ToChw, Step::RandomHFlip],
+        vec![Step::ToChw, Step::ToChw],
+        vec![Step::CenterCrop { height: 0, width: 3 }],
+        vec![Step::Normalize { mean: vec![0.0, 1.0], std: vec![1.0] }],
+        vec![Step::Normalize { mean: vec![0.0], std: vec![0.0] }],
+    ] {
+        assert!(Chain::new("x", steps.clone(), None).is_err(), "{steps:?}");
+    }
+}
+
+#[test]
+fn bilinear_resize_matches_pillow() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/codec/testdata");
+    let input = std::fs::read(dir.join("png/rgb8.png.expect")).unwrap(); // 19 × 27 × 3
+    let want = std::fs::read(dir.join("resize/rgb8_to_11x16.expect")).unwrap();
+    let c = chain(vec![Step::Resize { height: 11, width: 16, filter: Filter::Bilinear }]);
+    let out = run(&c, &input, DType::U8, &[19, 27, 3], KEY);
+    let max = out.iter().zip(&want).map(|(a, b)| a.abs_diff(*b)).max().unwrap();
+    eprintln!("bilinear resize: max abs diff {max} from Pillow");
+    assert!(max <= 1, "max abs diff {max} from Pillow's bilinear resize");
+}
+
+#[test]
+fn resize_after_crop_flip_and_cast() {
+    let input = image(12, 10, 3, |y, x, ch| (y * 20 + x * 3 + ch) as u8);
+    // Resize to the same size is the identity, so each path is checkable by hand.
+    let same = |h, w| Step::Resize { height: h, width: w, filter: Filter::Bilinear };
+    let cropped =
+        run(&chain(vec![Step::CenterCrop { height: 6, width: 4 }, same(6, 4)]), &input, DType::U8, &[12, 10, 3], KEY);
+    assert_eq!(
+        cropped,
+        run(&chain(vec![Step::CenterCrop { height: 6, width: 4 }]), &input, DType::U8, &[12, 10, 3], KEY)
+    );
+    let flip_first = chain(vec![Step::RandomHFlip, same(12, 10)]);
+    let flip_only = chain(vec![Step::RandomHFlip]);
+    for i in 0..4 {
+        assert_eq!(
+            run(&flip_first, &input, DType::U8, &[12, 10, 3], key(i)),
+            run(&flip_only, &input, DType::U8, &[12, 10, 3], key(i))
+        );
+    }
+    let cast_first = chain(vec![Step::ToF32 { scale: 0.5 }, same(12, 10)]);
+    let out = f32s(&run(&cast_first, &input, DType::U8, &[12, 10, 3], KEY));
+    for (o, i) in out.iter().zip(&input) {
+        assert!((o - f32::from(*i) * 0.5).abs() < 1e-4);
+    }
+    // Shrinking a constant image keeps it constant, in every filter.
+    let flat = vec![77u8; 12 * 10 * 3];
+    for filter in [Filter::Nearest, Filter::Bilinear, Filter::Bicubic, Filter::Lanczos3] {
+        let out = run(&chain(vec![Step::Resize { height: 5, width: 3, filter }]), &flat, DType::U8, &[12, 10, 3], KEY);
+        assert!(out.iter().all(|&v| v == 77), "{filter:?}");
+    }
+}
+
+#[test]
+fn destination_and_input_sizes_are_checked() {
+    let c = chain(vec![Step::CenterCrop { height: 2, width: 2 }]);
+    let input = vec![0u8; 16];
+    let mut small = vec![0u8; 3];
+    assert!(
+        c.apply(
+            ArrayRef { bytes: &input, dtype: DType::U8, shape: &[4, 4] },
+            KEY,
+            None,
+            &mut Scratch::new(),
+            &mut small
+        )
+        .is_err()
+    );
+    let mut dst = vec![0u8; 4];
+    assert!(
+        c.apply(
+            ArrayRef { bytes: &input[..15], dtype: DType::U8, shape: &[4, 4] },
+            KEY,
+            None,
+            &mut Scratch::new(),
+            &mut dst
+        )
+        .is_err()
+    );
+}
