@@ -4,6 +4,7 @@
 
 pub mod cli;
 pub mod config;
+pub mod filter;
 pub mod ring;
 pub mod sampler;
 pub mod server;
