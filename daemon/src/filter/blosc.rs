@@ -150,7 +150,7 @@ fn decode_block(
         } else {
             1
         };
-    if bsize % nsplits != 0 {
+    if !bsize.is_multiple_of(nsplits) {
         return Err(corrupt(F, format!("{bsize}-byte block does not split into {nsplits} streams")));
     }
     let neblock = bsize / nsplits;
@@ -188,7 +188,7 @@ fn decode_block(
         // multiple of 8, leaving a partial element at the end as it was;
         // other blocks are stored without any shuffle.
         let n = bsize / typesize;
-        if n % 8 == 0 {
+        if n.is_multiple_of(8) {
             let whole = n * typesize;
             untrans_bit_elem(&shuffled[..whole], &mut out[..whole], typesize);
             out[whole..].copy_from_slice(&shuffled[whole..]);
@@ -225,7 +225,7 @@ pub(crate) mod tests {
             out[HEADER_LEN + 4 * j..HEADER_LEN + 4 * j + 4].copy_from_slice(&start.to_le_bytes());
             let shuffled = match shuffle_mode {
                 DOSHUFFLE if typesize > 1 => shuffle(block, typesize),
-                DOBITSHUFFLE if block.len() >= typesize && (block.len() / typesize) % 8 == 0 => {
+                DOBITSHUFFLE if block.len() >= typesize && (block.len() / typesize).is_multiple_of(8) => {
                     let whole = block.len() / typesize * typesize;
                     let mut t = trans_bit_elem(&block[..whole], typesize);
                     t.extend_from_slice(&block[whole..]);

@@ -139,7 +139,7 @@ impl BitshuffleParams {
             return Err(invalid("element size 0".into()));
         }
         let block_size = cd.get(3).map_or(0, |&b| b as usize);
-        if block_size % BLOCKED_MULT != 0 {
+        if !block_size.is_multiple_of(BLOCKED_MULT) {
             return Err(invalid(format!("block size {block_size} is not a multiple of 8")));
         }
         let compression = match cd.get(4).copied().unwrap_or(0) {
@@ -188,13 +188,13 @@ pub(crate) fn bitshuffle_filter(
                 return Err(size_mismatch(name, dst.len(), total));
             }
             let block_size = block_bytes as usize / es;
-            if block_size % BLOCKED_MULT != 0 {
+            if !block_size.is_multiple_of(BLOCKED_MULT) {
                 return Err(corrupt(name, format!("block size {block_size} elements is not a multiple of 8")));
             }
             (name, 12, block_size)
         }
     };
-    if dst.len() % es != 0 {
+    if !dst.len().is_multiple_of(es) {
         return Err(corrupt(name, format!("{} bytes is not a whole number of {es}-byte elements", dst.len())));
     }
     let block_size = if block_size == 0 { default_block_size(es) } else { block_size };
