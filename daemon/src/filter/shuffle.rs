@@ -73,26 +73,43 @@ fn transpose8(mut x: u64) -> u64 {
 /// `i` at bit `i % 8` of the row's byte `i / 8`.
 pub(crate) fn untrans_bit_elem(src: &[u8], dst: &mut [u8], element_size: usize) {
     debug_assert_eq!(src.len(), dst.len());
-    let n = src.len() / element_size;
-    debug_assert_eq!(n % 8, 0);
-    let nrow = n / 8;
-    if nrow == 0 {
-        return;
+    match element_size {
+        1 => untrans_fixed::<1>(src, dst),
+        2 => untrans_fixed::<2>(src, dst),
+        4 => untrans_fixed::<4>(src, dst),
+        8 => untrans_fixed::<8>(src, dst),
+        es => untrans_any(src, dst, es),
     }
-    for j in 0..element_size {
-        let rows = &src[j * 8 * nrow..(j + 1) * 8 * nrow];
-        let r: [&[u8]; 8] = std::array::from_fn(|b| &rows[b * nrow..(b + 1) * nrow]);
-        if element_size == 1 {
-            for (g, out) in dst.chunks_exact_mut(8).enumerate() {
-                let x = u64::from_le_bytes([r[0][g], r[1][g], r[2][g], r[3][g], r[4][g], r[5][g], r[6][g], r[7][g]]);
-                out.copy_from_slice(&transpose8(x).to_le_bytes());
+}
+
+/// `untrans_bit_elem` for a fixed element size: each step gathers one byte
+/// from each of the `8 * ES` rows, so 8 elements come out whole and the
+/// output is written front to back.
+fn untrans_fixed<const ES: usize>(src: &[u8], dst: &mut [u8]) {
+    let nrow = src.len() / ES / 8;
+    let rows: [[&[u8]; 8]; ES] =
+        std::array::from_fn(|j| std::array::from_fn(|b| &src[(j * 8 + b) * nrow..(j * 8 + b + 1) * nrow]));
+    for (g, out) in dst.chunks_exact_mut(8 * ES).enumerate() {
+        let words: [[u8; 8]; ES] = std::array::from_fn(|j| {
+            transpose8(u64::from_le_bytes(std::array::from_fn(|b| rows[j][b][g]))).to_le_bytes()
+        });
+        for (e, element) in out.chunks_exact_mut(ES).enumerate() {
+            for (j, byte) in element.iter_mut().enumerate() {
+                *byte = words[j][e];
             }
-        } else {
-            for (g, out) in dst.chunks_exact_mut(8 * element_size).enumerate() {
-                let x = u64::from_le_bytes([r[0][g], r[1][g], r[2][g], r[3][g], r[4][g], r[5][g], r[6][g], r[7][g]]);
-                for (e, byte) in transpose8(x).to_le_bytes().into_iter().enumerate() {
-                    out[e * element_size + j] = byte;
-                }
+        }
+    }
+}
+
+/// `untrans_bit_elem` for any element size, one byte column at a time.
+fn untrans_any(src: &[u8], dst: &mut [u8], es: usize) {
+    let nrow = src.len() / es / 8;
+    for j in 0..es {
+        let r: [&[u8]; 8] = std::array::from_fn(|b| &src[(j * 8 + b) * nrow..(j * 8 + b + 1) * nrow]);
+        for (g, out) in dst.chunks_exact_mut(8 * es).enumerate() {
+            let x = u64::from_le_bytes(std::array::from_fn(|b| r[b][g]));
+            for (element, byte) in out.chunks_exact_mut(es).zip(transpose8(x).to_le_bytes()) {
+                element[j] = byte;
             }
         }
     }
@@ -359,7 +376,7 @@ pub(crate) mod tests {
     #[test]
     fn untrans_inverts_trans() {
         for element_size in [1, 2, 3, 4, 8, 12] {
-            for n in [0, 8, 16, 64, 136, 1024] {
+            for n in [0, 8, 16, 64, 72, 136, 512, 520, 1024] {
                 let data = pseudo_random(n * element_size, (n + element_size) as u32);
                 let t = trans_bit_elem(&data, element_size);
                 let mut out = vec![0; data.len()];
