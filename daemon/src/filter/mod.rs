@@ -201,7 +201,7 @@ impl Stage {
             id::SZIP => return Err(unsupported("szip")),
             id::NBIT => return Err(unsupported("n-bit packing")),
             id::SCALEOFFSET => return Err(unsupported("scale-offset")),
-            _ => return Err(unsupported("unknown filter id")),
+            other => return Err(unsupported(&format!("unknown filter id {other}"))),
         })
     }
 

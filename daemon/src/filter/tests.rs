@@ -344,6 +344,55 @@ fn unsupported_pipelines_are_reported() {
     assert!(err.is_unsupported(), "{err}");
 }
 
+#[test]
+fn random_bytes_never_panic() {
+    let pipelines = [
+        vec![spec(id::DEFLATE, &[])],
+        vec![spec(id::SHUFFLE, &[4])],
+        vec![spec(id::FLETCHER32, &[])],
+        vec![spec(id::LZF, &[])],
+        vec![spec(id::LZ4, &[])],
+        vec![spec(id::ZSTD, &[])],
+        vec![spec(id::BITSHUFFLE, &[0, 4, 4, 0, 0])],
+        vec![spec(id::BITSHUFFLE, &[0, 4, 4, 0, 2])],
+        vec![spec(id::BITSHUFFLE, &[0, 4, 2, 16, 3])],
+        vec![spec(id::BLOSC, &[])],
+    ];
+    let mut x = 0x9e37_79b9u32;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        x
+    };
+    let mut out = Vec::new();
+    for round in 0..3000 {
+        let len = (next() % 300) as usize;
+        let mut stored: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+        let chunk_bytes = [0usize, 1, 8, 64, 100, 256, 1000][round % 7];
+        // Plausible headers get the decoders past their first checks.
+        let pipeline = &pipelines[round % pipelines.len()];
+        match pipeline[0].id {
+            id::LZ4 if stored.len() >= 12 => {
+                stored[..8].copy_from_slice(&(chunk_bytes as u64).to_be_bytes());
+                stored[8..12].copy_from_slice(&(next() % 300).to_be_bytes());
+            }
+            id::BITSHUFFLE if stored.len() >= 12 => {
+                stored[..8].copy_from_slice(&(chunk_bytes as u64).to_be_bytes());
+                stored[8..12].copy_from_slice(&(8 * (next() % 40)).to_be_bytes());
+            }
+            id::BLOSC if stored.len() >= 16 => {
+                stored[0] = 2;
+                stored[4..8].copy_from_slice(&(chunk_bytes as u32).to_le_bytes());
+                stored[8..12].copy_from_slice(&(1 + next() % 300).to_le_bytes());
+                stored[12..16].copy_from_slice(&(len as u32).to_le_bytes());
+            }
+            _ => {}
+        }
+        let _ = decode_chunk(pipeline, 0, &stored, 4, chunk_bytes, &mut out);
+    }
+}
+
 /// Decode throughput on a few MB of mildly compressible f32 data, in 1 MiB
 /// chunks. Run with
 /// `cargo test -p stoker-daemon --release --lib filter::tests::throughput -- --ignored --nocapture`.
