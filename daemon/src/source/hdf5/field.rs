@@ -113,12 +113,13 @@ impl FieldReader {
         let elem = dtype.size();
         let order = file_type.byte_order();
         let swap = order == ByteOrder::BigEndian && cfg!(target_endian = "little") && elem > 1;
-        let raw_ok = dtype != DType::Bool && matches!(order, ByteOrder::LittleEndian | ByteOrder::BigEndian)
-            || (dtype != DType::Bool && elem == 1);
+        // One-byte types (bool is h5py's int8 enum of 0 and 1) need no byte
+        // order; wider ones must be plain little- or big-endian.
+        let raw_ok = elem == 1 || matches!(order, ByteOrder::LittleEndian | ByteOrder::BigEndian);
         let layout = if !fast_path {
             Layout::Library { reason: "fast path disabled ([hdf5] fast_path = false)".into() }
         } else if !raw_ok {
-            Layout::Library { reason: format!("{dtype} stored as an HDF5 enum or with an unusual byte order") }
+            Layout::Library { reason: format!("{dtype} stored with an unusual byte order") }
         } else {
             match dataset.layout() {
                 hdf5::dataset::Layout::Contiguous => match dataset.offset() {
