@@ -100,7 +100,8 @@ fn typenum(dtype: DType) -> c_int {
     t as c_int
 }
 
-/// Extracts `("name", NAME)` or `("hdf5", GLOB, [(field, path), ...], (size, stride) | None, [per_item...])`.
+/// Extracts `("name", NAME)`, `("hdf5", GLOB, [(field, path), ...], (size, stride) | None, [per_item...])`
+/// or `("lmdb", JSON)` (JSON of `stoker_proto::LmdbDataset`, built by `stoker.lmdb`).
 fn dataset_ref(spec: &Bound<'_, PyTuple>) -> PyResult<DatasetRef> {
     let kind: String = spec.get_item(0)?.extract()?;
     match kind.as_str() {
@@ -111,6 +112,12 @@ fn dataset_ref(spec: &Bound<'_, PyTuple>) -> PyResult<DatasetRef> {
             window: spec.get_item(3)?.extract()?,
             per_item: spec.get_item(4)?.extract()?,
         }),
+        "lmdb" => {
+            let json: String = spec.get_item(1)?.extract()?;
+            let def = serde_json::from_str(&json)
+                .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("invalid LMDB dataset spec: {e}")))?;
+            Ok(DatasetRef::Lmdb(def))
+        }
         other => Err(pyo3::exceptions::PyValueError::new_err(format!("unknown dataset kind {other:?}"))),
     }
 }

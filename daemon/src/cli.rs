@@ -198,6 +198,9 @@ pub fn format_status(r: &StatusReport) -> String {
         c.entries,
         if lookups == 0 { "-".to_string() } else { format!("{:.1}%", 100.0 * c.hits as f64 / lookups as f64) }
     );
+    for s in &r.skipped {
+        let _ = writeln!(out, "dataset {}: {} bad samples skipped (see the daemon's log)", s.dataset, s.skipped);
+    }
     let _ = writeln!(out, "\nclients: {}", r.clients.len());
     if !r.clients.is_empty() {
         let _ = writeln!(out, "  {:>4} {:>8} {:>6} {:>7} {:>10}", "id", "pid", "uid", "streams", "connected");

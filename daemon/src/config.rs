@@ -155,12 +155,20 @@ impl Default for CacheConfig {
     }
 }
 
-/// `[datasets.NAME]` table.
+/// `[datasets.NAME]` table, by `format`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "format", rename_all = "lowercase")]
+pub enum DatasetConfig {
+    /// `format = "hdf5"`.
+    Hdf5(Hdf5DatasetConfig),
+    /// `format = "lmdb"`: fields as `[[datasets.NAME.fields]]` tables.
+    Lmdb(stoker_proto::LmdbDataset),
+}
+
+/// A `format = "hdf5"` dataset.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct DatasetConfig {
-    /// Source format; `"hdf5"`.
-    pub format: DatasetFormat,
+pub struct Hdf5DatasetConfig {
     /// Absolute glob of the files; matches are taken in sorted order.
     pub files: String,
     /// Field name → HDF5 dataset path inside each file.
@@ -185,14 +193,6 @@ pub struct WindowConfig {
 
 fn one() -> u64 {
     1
-}
-
-/// Formats a dataset can have.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DatasetFormat {
-    /// HDF5 files read through libhdf5 metadata.
-    Hdf5,
 }
 
 /// The checked configuration the daemon runs with.
@@ -249,19 +249,34 @@ impl Config {
             )));
         }
         for (name, ds) in &self.datasets {
+            let ds = match ds {
+                DatasetConfig::Hdf5(ds) => ds,
+                DatasetConfig::Lmdb(ds) => {
+                    if ds.fields.is_empty() {
+                        return Err(invalid(format!(
+                            "[datasets.{name}] has no fields; add [[datasets.{name}.fields]] tables with name, env and codec"
+                        )));
+                    }
+                    if let Some(f) = ds.fields.iter().find(|f| !Path::new(&f.env).is_absolute()) {
+                        return Err(invalid(format!(
+                            "[datasets.{name}] field {:?}: env = {:?} must be an absolute path",
+                            f.name, f.env
+                        )));
+                    }
+                    continue;
+                }
+            };
             if !Path::new(&ds.files).is_absolute() {
                 return Err(invalid(format!(
                     "[datasets.{name}] files = {:?} must be an absolute path or glob",
                     ds.files
                 )));
             }
-            if let Some(w) = ds.window {
-                if w.size == 0 || w.stride == 0 {
-                    return Err(invalid(format!(
-                        "[datasets.{name}] window size = {} and stride = {} must both be at least 1",
-                        w.size, w.stride
-                    )));
-                }
+            if let Some(w) = ds.window.filter(|w| w.size == 0 || w.stride == 0) {
+                return Err(invalid(format!(
+                    "[datasets.{name}] window size = {} and stride = {} must both be at least 1",
+                    w.size, w.stride
+                )));
             }
             if let Some(unknown) = ds.per_item.iter().find(|f| !ds.fields.contains_key(*f)) {
                 return Err(invalid(format!("[datasets.{name}] per_item names {unknown:?}, which is not in fields")));

@@ -6,6 +6,7 @@ pub mod cache;
 pub mod cli;
 pub mod codec;
 pub mod config;
+pub mod dataset;
 pub mod filter;
 pub mod inspect;
 pub mod ring;

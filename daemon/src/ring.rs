@@ -178,7 +178,10 @@ impl SlotWriter {
                 let shape = shape_at.map(|at| {
                     let at = at as usize;
                     let ndim = field.shape.len();
-                    assert!(at + ndim * 8 <= ring.map.len() && at % 8 == 0, "shape tables are aligned and in the ring");
+                    assert!(
+                        at + ndim * 8 <= ring.map.len() && at.is_multiple_of(8),
+                        "shape tables are aligned and in the ring"
+                    );
                     // SAFETY: as for `data`: the row's entry of the field's
                     // shape table is in bounds (asserted), 8-byte aligned
                     // (tables start at 64-byte-aligned offsets), disjoint

@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
 use stoker_proto::{
-    BatchLayout, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, ErrorKind, OpenStream, Request, Response,
+    BatchLayout, CacheStatus, ClientStatus, DatasetInfo, DatasetSkips, ErrorKind, OpenStream, Request, Response,
     StatusReport, StreamInfo,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
@@ -24,11 +24,10 @@ use tokio::sync::{mpsc, watch};
 use tracing::Instrument;
 
 use crate::cache::ChunkCache;
-use crate::config::{DatasetFormat, Settings};
+use crate::config::Settings;
+use crate::dataset::Datasets;
 use crate::ring::Ring;
 use crate::sampler::Sampler;
-use crate::source::hdf5::{Hdf5Source, Hdf5Spec, Window};
-use crate::source::{Source, SourceError};
 use crate::stream::{Delivery, Stream, StreamMeta};
 
 /// An error reply: kind plus a message for the user.
@@ -40,7 +39,7 @@ pub struct Daemon {
     settings: Settings,
     started: Instant,
     pool: Arc<rayon::ThreadPool>,
-    sources: Mutex<HashMap<Hdf5Spec, Arc<dyn Source>>>,
+    datasets: Datasets,
     chunk_cache: Arc<ChunkCache>,
     clients: Mutex<BTreeMap<u64, ClientStatus>>,
     streams: Mutex<BTreeMap<u64, Arc<Stream>>>,
@@ -57,11 +56,12 @@ impl Daemon {
             .thread_name(|i| format!("stoker-worker-{i}"))
             .build()?;
         let chunk_cache = Arc::new(ChunkCache::new(settings.chunk_cache_bytes as usize));
+        let datasets = Datasets::new(settings.clone(), chunk_cache.clone());
         Ok(Arc::new(Daemon {
             settings,
             started: Instant::now(),
             pool: Arc::new(pool),
-            sources: Mutex::new(HashMap::new()),
+            datasets,
             chunk_cache,
             clients: Mutex::new(BTreeMap::new()),
             streams: Mutex::new(BTreeMap::new()),
@@ -97,92 +97,17 @@ impl Daemon {
                 let s = self.chunk_cache.stats();
                 CacheStatus { bytes: s.bytes, capacity: s.capacity, entries: s.entries, hits: s.hits, misses: s.misses }
             },
+            skipped: self
+                .datasets
+                .skips()
+                .into_iter()
+                .map(|(dataset, skipped)| DatasetSkips { dataset, skipped })
+                .collect(),
         }
     }
 
     fn datasets(&self) -> Vec<DatasetInfo> {
-        self.settings
-            .datasets
-            .iter()
-            .map(|(name, ds)| DatasetInfo {
-                name: name.clone(),
-                format: match ds.format {
-                    DatasetFormat::Hdf5 => "hdf5".to_string(),
-                },
-                files: ds.files.clone(),
-                fields: ds.fields.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-                window: ds.window.map(|w| (w.size, w.stride)),
-                per_item: ds.per_item.clone(),
-            })
-            .collect()
-    }
-
-    /// Resolves a dataset reference to an open source (opened once, then shared).
-    fn source(&self, dataset: &DatasetRef) -> Reply<(String, Arc<dyn Source>)> {
-        let (label, spec, roots) = match dataset {
-            DatasetRef::Named(name) => {
-                let Some(ds) = self.settings.datasets.get(name) else {
-                    let known: Vec<_> = self.settings.datasets.keys().collect();
-                    return Err((
-                        ErrorKind::NotFound,
-                        format!(
-                            "no dataset named {name:?} in the daemon's config (known: {known:?}); see `stoker datasets`"
-                        ),
-                    ));
-                };
-                let spec = Hdf5Spec {
-                    files: ds.files.clone(),
-                    fields: ds.fields.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-                    window: ds.window.map(|w| Window { size: w.size, stride: w.stride }),
-                    per_item: ds.per_item.clone(),
-                    fast_path: self.settings.hdf5_fast_path,
-                };
-                (name.clone(), spec, None)
-            }
-            DatasetRef::Hdf5 { files, fields, window, per_item } => {
-                if self.settings.allowed_roots.is_empty() {
-                    return Err((
-                        ErrorKind::PermissionDenied,
-                        "this daemon serves only the datasets named in its config ([server] allowed_roots is \
-                         empty); use a name from `stoker datasets`, or ask the admin to set allowed_roots"
-                            .to_string(),
-                    ));
-                }
-                if !Path::new(files).is_absolute() {
-                    return Err((ErrorKind::Dataset, format!("ad-hoc dataset path {files:?} must be absolute")));
-                }
-                if fields.is_empty() {
-                    return Err((ErrorKind::Dataset, format!("ad-hoc dataset {files:?} has no fields")));
-                }
-                for (i, (name, _)) in fields.iter().enumerate() {
-                    if fields[..i].iter().any(|(n, _)| n == name) {
-                        return Err((ErrorKind::Dataset, format!("field {name:?} is given twice")));
-                    }
-                }
-                let spec = Hdf5Spec {
-                    files: files.clone(),
-                    fields: fields.clone(),
-                    window: window.map(|(size, stride)| Window { size, stride }),
-                    per_item: per_item.clone(),
-                    fast_path: self.settings.hdf5_fast_path,
-                };
-                (files.clone(), spec, Some(self.settings.allowed_roots.as_slice()))
-            }
-        };
-        if let Some(source) = lock(&self.sources).get(&spec) {
-            return Ok((label, source.clone()));
-        }
-        let source = Hdf5Source::open(&spec, roots, self.chunk_cache.clone()).map_err(|e| {
-            let kind = match e {
-                SourceError::NotAllowed { .. } => ErrorKind::PermissionDenied,
-                _ => ErrorKind::Dataset,
-            };
-            (kind, e.to_string())
-        })?;
-        tracing::info!(dataset = %label, samples = source.len(), "opened dataset");
-        let source: Arc<dyn Source> = Arc::new(source);
-        lock(&self.sources).insert(spec, source.clone());
-        Ok((label, source))
+        self.datasets.named()
     }
 }
 
@@ -475,9 +400,10 @@ impl Connection {
         }
         let daemon = self.daemon.clone();
         let dataset = open.dataset.clone();
-        let (label, source) = tokio::task::spawn_blocking(move || daemon.source(&dataset))
+        let opened = tokio::task::spawn_blocking(move || daemon.datasets.open(&dataset))
             .await
             .map_err(|e| (ErrorKind::Internal, format!("dataset open panicked: {e}")))??;
+        let (label, source) = (opened.label, opened.source);
         let sampler = Sampler::new(
             source.len(),
             open.rank,

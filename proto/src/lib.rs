@@ -16,8 +16,8 @@ pub use layout::{
     Ragged, SLOT_ALIGN,
 };
 pub use message::{
-    BatchReady, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, ErrorKind, OpenStream, Request, Response,
-    StatusReport, StreamInfo, StreamStatus,
+    BatchReady, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, DatasetSkips, ErrorKind, LmdbDataset, LmdbFieldDef,
+    OpenStream, PairDef, Request, Response, StatusReport, StreamInfo, StreamStatus, TransformDef,
 };
 
 /// Version of the wire protocol; bumped on any incompatible change.

@@ -90,6 +90,116 @@ pub enum DatasetRef {
         /// Fields delivered whole per item when windowed.
         per_item: Vec<String>,
     },
+    /// LMDB environments, each field a value codec plus transforms.
+    Lmdb(LmdbDataset),
+}
+
+/// An LMDB dataset: the same keys in one or more environments, one field per
+/// (environment, codec). Also the `[datasets.NAME]` table of `format = "lmdb"`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LmdbDataset {
+    /// Fields in delivery order.
+    pub fields: Vec<LmdbFieldDef>,
+    /// A file listing the sample keys, one per line (or BasicSR `meta_info.txt` lines).
+    #[serde(default)]
+    pub key_file: Option<String>,
+    /// Only keys starting with this prefix are samples.
+    #[serde(default)]
+    pub key_prefix: Option<String>,
+    /// Only keys this regular expression matches are samples.
+    #[serde(default)]
+    pub key_regex: Option<String>,
+    /// What a bad value does: `"fail"` (default) or `"skip"` (substitute the next good sample).
+    #[serde(default)]
+    pub on_error: Option<String>,
+    /// Keys probed at open to learn each field's dtype and shape (default 8).
+    #[serde(default)]
+    pub probe: Option<u64>,
+}
+
+/// One field of an LMDB dataset.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LmdbFieldDef {
+    /// Field name delivered to the client.
+    pub name: String,
+    /// Environment directory (or data file of a `subdir=False` environment).
+    pub env: String,
+    /// Value codec: `png`, `jpeg`, `npy`, `raw`, optionally `lz4+…` or `zstd+…`.
+    pub codec: String,
+    /// For `raw`: dtype such as `"uint8"` or `"<f4"`.
+    #[serde(default)]
+    pub dtype: Option<String>,
+    /// For `raw`: the value's shape.
+    #[serde(default)]
+    pub shape: Option<Vec<u64>>,
+    /// Transforms applied after decoding, in order.
+    #[serde(default)]
+    pub transforms: Vec<TransformDef>,
+    /// Draw random crops and flips together with another field: `(field, size ratio)`.
+    #[serde(default)]
+    pub pair: Option<PairDef>,
+    /// Bytes reserved per sample when the shape varies (ragged delivery).
+    #[serde(default)]
+    pub max_sample_bytes: Option<u64>,
+}
+
+/// Pairing of a field's random draws with another field's.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PairDef {
+    /// The field whose crops and flips this one follows.
+    pub with: String,
+    /// This field's size over the other's (4 for HR over 4×-downscaled LR).
+    pub scale: u64,
+}
+
+/// One transform step, deterministic in (seed, epoch, index).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum TransformDef {
+    /// Crop `height × width` from the centre.
+    CenterCrop {
+        /// Rows kept.
+        height: u64,
+        /// Columns kept.
+        width: u64,
+    },
+    /// Crop `height × width` at a random offset.
+    RandomCrop {
+        /// Rows kept.
+        height: u64,
+        /// Columns kept.
+        width: u64,
+    },
+    /// Resize to `height × width`.
+    Resize {
+        /// Output rows.
+        height: u64,
+        /// Output columns.
+        width: u64,
+        /// `nearest`, `bilinear` (default), `bicubic` or `lanczos3`.
+        #[serde(default)]
+        filter: Option<String>,
+    },
+    /// Mirror left–right with probability 0.5.
+    Hflip,
+    /// Convert to float32, times `scale` (default 1).
+    ToF32 {
+        /// Factor applied while converting (`1/255` maps uint8 to `[0, 1]`).
+        #[serde(default)]
+        scale: Option<f32>,
+    },
+    /// `(x - mean[c]) / std[c]` per channel, as float32.
+    Normalize {
+        /// Per-channel means.
+        mean: Vec<f32>,
+        /// Per-channel standard deviations.
+        std: Vec<f32>,
+    },
+    /// `[h, w, c]` → `[c, h, w]`.
+    Chw,
 }
 
 /// A message from the daemon to a client.
@@ -196,6 +306,8 @@ pub struct DatasetInfo {
     pub window: Option<(u64, u64)>,
     /// Fields delivered whole per item when windowed.
     pub per_item: Vec<String>,
+    /// Samples substituted for bad ones since the daemon opened the dataset (`on_error = "skip"`).
+    pub skipped: u64,
 }
 
 /// The daemon's state, as `stoker status` shows it.
@@ -215,6 +327,17 @@ pub struct StatusReport {
     pub streams: Vec<StreamStatus>,
     /// The node-wide cache of decoded HDF5 chunks.
     pub chunk_cache: CacheStatus,
+    /// Open datasets that substituted bad samples (`on_error = "skip"`).
+    pub skipped: Vec<DatasetSkips>,
+}
+
+/// Bad samples a dataset skipped.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DatasetSkips {
+    /// Dataset name or ad-hoc path.
+    pub dataset: String,
+    /// Samples substituted since it was opened.
+    pub skipped: u64,
 }
 
 /// Occupancy and effectiveness of a cache.

@@ -16,9 +16,10 @@ copies (``arr.copy()``) of anything you want to hold on to for long.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -38,7 +39,9 @@ from ._native import (
 __all__ = [
     "Loader",
     "Hdf5Spec",
+    "LmdbSpec",
     "hdf5",
+    "lmdb",
     "StokerError",
     "DaemonUnavailable",
     "DatasetError",
@@ -48,7 +51,8 @@ __all__ = [
     "__version__",
 ]
 
-Batch = Dict[str, np.ndarray]
+#: A batch: field name → array ``[b, ...]``, or a list of per-sample arrays for variable-shape fields.
+Batch = Dict[str, Union[np.ndarray, List[np.ndarray]]]
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,126 @@ def hdf5(
     return Hdf5Spec(files, dict(fields), win, tuple(per_item))
 
 
+@dataclass(frozen=True)
+class LmdbSpec:
+    """An ad-hoc LMDB dataset (see :func:`lmdb`); ``definition`` is the daemon's dataset description."""
+
+    definition: Mapping[str, Any]
+
+    def _wire(self) -> tuple:
+        return ("lmdb", json.dumps(self.definition))
+
+
+_TRANSFORM_SIZES = {"center_crop", "random_crop", "resize"}
+
+
+def _transform(step: Any) -> Any:
+    """Normalizes one transform step to the daemon's form.
+
+    Accepted: ``"hflip"``, ``"chw"``, ``"to_f32"``; ``{"random_crop": 48}``,
+    ``{"random_crop": (h, w)}``, ``{"center_crop": ...}``, ``{"resize": (h, w)}``
+    or ``{"resize": {"height": h, "width": w, "filter": "bicubic"}}``;
+    ``{"to_f32": 1/255}``; ``{"normalize": {"mean": [...], "std": [...]}}``.
+    """
+    if isinstance(step, str):
+        if step == "to_f32":
+            return {"to_f32": {"scale": None}}
+        if step in ("hflip", "chw"):
+            return step
+        raise ValueError(f"unknown transform {step!r}: use hflip, chw, to_f32, or a dict such as {{'random_crop': 48}}")
+    if not isinstance(step, Mapping) or len(step) != 1:
+        raise ValueError(f"a transform is a name or a one-key dict, not {step!r}")
+    (name, arg), = step.items()
+    if name in _TRANSFORM_SIZES:
+        if isinstance(arg, Mapping):
+            return {name: dict(arg)}
+        h, w = (arg, arg) if isinstance(arg, int) else tuple(arg)
+        return {name: {"height": int(h), "width": int(w)}}
+    if name == "to_f32":
+        return {"to_f32": {"scale": None if arg is None else float(arg)}}
+    if name == "normalize":
+        return {"normalize": {"mean": [float(m) for m in arg["mean"]], "std": [float(s) for s in arg["std"]]}}
+    raise ValueError(f"unknown transform {name!r}")
+
+
+def lmdb(
+    env: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]], Mapping[str, Union[str, os.PathLike]]],
+    fields: Mapping[str, Union[str, Mapping[str, Any]]],
+    transforms: Optional[Mapping[str, Sequence[Any]]] = None,
+    pair: Optional[Mapping[str, Tuple[str, int]]] = None,
+    key_file: Optional[Union[str, os.PathLike]] = None,
+    key_prefix: Optional[str] = None,
+    key_regex: Optional[str] = None,
+    on_error: str = "fail",
+    max_sample_bytes: Optional[Mapping[str, int]] = None,
+) -> LmdbSpec:
+    """Describe an LMDB dataset for :class:`Loader`.
+
+    ``env`` is one environment for every field, a list of environments (one
+    per field, in ``fields`` order), or a dict field → environment; the
+    environments share keys (paired low/high-resolution images, say). Samples
+    are the keys in key order, without metadata keys such as ``__len__`` (or
+    those starting with ``key_prefix``, matching ``key_regex``, or listed in
+    ``key_file``, which may be a BasicSR ``meta_info.txt``).
+
+    ``fields`` maps each field to its codec: ``"png"``, ``"jpeg"``, ``"npy"``,
+    optionally ``"lz4+npy"``/``"zstd+png"`` and so on, or
+    ``{"codec": "raw", "dtype": "uint8", "shape": [32, 32, 3]}``. Images come
+    out ``[h, w, c]``. ``transforms`` maps fields to steps run in the daemon
+    (see :func:`_transform` for the forms): crops, resize, random horizontal
+    flip, ``to_f32``, ``normalize``, ``chw``; random steps are deterministic in
+    (seed, epoch, index). ``pair={"hr": ("lr", 4)}`` makes ``hr``'s random
+    crops and flips follow ``lr``'s at 4× the size. Fields whose shape varies
+    (and no transform fixes) come as lists of arrays, one per sample.
+
+    ``on_error="skip"`` replaces a bad value by the next good sample (counted
+    in ``stoker status``); ``"fail"`` raises :class:`DatasetError` naming the
+    environment, key and codec.
+    """
+    names = list(fields)
+    if not names:
+        raise ValueError("fields must name at least one field and its codec")
+    if isinstance(env, Mapping):
+        envs = {k: env[k] for k in names}
+    elif isinstance(env, (str, os.PathLike)):
+        envs = {k: env for k in names}
+    else:
+        env = list(env)
+        if len(env) != len(names):
+            raise ValueError(f"{len(env)} environments for {len(names)} fields")
+        envs = dict(zip(names, env))
+    unknown = set(transforms or {}) | set(pair or {}) | set(max_sample_bytes or {})
+    unknown -= set(names)
+    if unknown:
+        raise ValueError(f"transforms/pair/max_sample_bytes name unknown fields {sorted(unknown)}")
+    defs = []
+    for name in names:
+        codec = fields[name]
+        d: Dict[str, Any] = {"name": name, "env": os.path.abspath(os.fspath(envs[name]))}
+        if isinstance(codec, str):
+            d.update(codec=codec, dtype=None, shape=None)
+        else:
+            d.update(codec=codec["codec"], dtype=codec.get("dtype"), shape=codec.get("shape"))
+            if d["shape"] is not None:
+                d["shape"] = [int(x) for x in d["shape"]]
+        d["transforms"] = [_transform(t) for t in (transforms or {}).get(name, [])]
+        p = (pair or {}).get(name)
+        d["pair"] = None if p is None else {"with": p[0], "scale": int(p[1])}
+        d["max_sample_bytes"] = (max_sample_bytes or {}).get(name)
+        defs.append(d)
+    if on_error not in ("fail", "skip"):
+        raise ValueError(f"on_error must be 'fail' or 'skip', not {on_error!r}")
+    definition = {
+        "fields": defs,
+        "key_file": None if key_file is None else os.path.abspath(os.fspath(key_file)),
+        "key_prefix": key_prefix,
+        "key_regex": key_regex,
+        "on_error": on_error,
+        "probe": None,
+    }
+    return LmdbSpec(definition)
+
+
 def _env_int(*names: str) -> Optional[int]:
     for name in names:
         value = os.environ.get(name)
@@ -154,10 +278,10 @@ class Loader:
     ) -> None:
         if isinstance(dataset, str):
             wire = ("name", dataset)
-        elif isinstance(dataset, Hdf5Spec):
+        elif isinstance(dataset, (Hdf5Spec, LmdbSpec)):
             wire = dataset._wire()
         else:
-            raise TypeError(f"dataset must be a name or stoker.hdf5(...), not {type(dataset).__name__}")
+            raise TypeError(f"dataset must be a name, stoker.hdf5(...) or stoker.lmdb(...), not {type(dataset).__name__}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
         self.rank, self.world_size = _rank_world(rank, world_size)

@@ -572,6 +572,10 @@ impl Source for LmdbSource {
         &self.fields
     }
 
+    fn skipped(&self) -> u64 {
+        LmdbSource::skipped(self)
+    }
+
     fn read_sample(&self, sample: SampleRef, out: &mut [FieldOut<'_>]) -> Result<(), SourceError> {
         let mut outs: Vec<LmdbOut<'_>> = out
             .iter_mut()

@@ -62,6 +62,11 @@ pub trait Source: Send + Sync + std::fmt::Debug {
     /// Fields in delivery order.
     fn fields(&self) -> &[FieldSpec];
 
+    /// Bad samples substituted so far (`on_error = "skip"`).
+    fn skipped(&self) -> u64 {
+        0
+    }
+
     /// Writes every field of `sample` into `out` (one entry per field, in
     /// field order): a fixed-shape field fills `data` exactly; a ragged field
     /// writes its values at the start of `data` and its shape into `shape`.

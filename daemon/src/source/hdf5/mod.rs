@@ -89,10 +89,8 @@ impl Hdf5Source {
             h5path: spec.fields.iter().find(|(n, _)| n == field).map(|(_, p)| p.clone()).unwrap_or_default(),
             message,
         };
-        if let Some(w) = spec.window {
-            if w.size == 0 || w.stride == 0 {
-                return Err(invalid("", format!("window size {} and stride {} must be at least 1", w.size, w.stride)));
-            }
+        if let Some(w) = spec.window.filter(|w| w.size == 0 || w.stride == 0) {
+            return Err(invalid("", format!("window size {} and stride {} must be at least 1", w.size, w.stride)));
         }
         for name in &spec.per_item {
             if !spec.fields.iter().any(|(n, _)| n == name) {
