@@ -38,10 +38,13 @@ enum Command {
         /// Config file.
         file: PathBuf,
     },
-    /// Describe an HDF5 file: datasets, layouts, filters, how stoker reads each, a config snippet.
+    /// Describe an HDF5 file or an LMDB environment and suggest a dataset config.
     Inspect {
-        /// The file.
+        /// An HDF5 file, or an LMDB environment (directory with data.mdb, or its data file).
         file: PathBuf,
+        /// LMDB: values decoded to learn formats and shapes.
+        #[arg(long, default_value_t = 64)]
+        probe: usize,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -100,7 +103,16 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("  datasets        {:?}", settings.datasets.keys().collect::<Vec<_>>());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Inspect { file, json } => {
+        Command::Inspect { file, json, probe } if crate::inspect::is_lmdb(&file) => {
+            let scan = crate::inspect::inspect_lmdb(&file, probe)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&scan)?);
+            } else {
+                print!("{}", crate::inspect::format_lmdb_report(&file, &scan));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Inspect { file, json, .. } => {
             let reports = crate::inspect::inspect(&file)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&reports)?);

@@ -334,6 +334,35 @@ mod tests {
     }
 
     #[test]
+    fn commented_examples_in_the_shipped_config_are_valid() {
+        let path = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../config/stoker.toml"));
+        let text = std::fs::read_to_string(path).unwrap();
+        // Uncomment every `# [datasets.…` example block (up to the next blank `#` line
+        // that is followed by prose) and parse the result.
+        let mut uncommented = String::new();
+        let mut in_example = false;
+        for line in text.lines() {
+            let body = line.strip_prefix("# ").or_else(|| line.strip_prefix('#'));
+            match body {
+                Some(b) if b.starts_with("[datasets.") || b.starts_with("[[datasets.") => {
+                    in_example = true;
+                    uncommented.push_str(b);
+                }
+                Some(b) if in_example && (b.is_empty() || b.contains(" = ")) => uncommented.push_str(b),
+                _ => {
+                    in_example = false;
+                    uncommented.push_str(line);
+                }
+            }
+            uncommented.push('\n');
+        }
+        let cfg = Config::parse(&uncommented, path).unwrap();
+        let names: Vec<_> = cfg.datasets.keys().cloned().collect();
+        assert_eq!(names, ["div2k", "imagenet", "shear_flow", "train"]);
+        cfg.validate(path).unwrap();
+    }
+
+    #[test]
     fn relative_dataset_glob_is_rejected() {
         let text = "[datasets.a]\nformat = \"hdf5\"\nfiles = \"data/*.h5\"\nfields = { x = \"x\" }\n";
         let err = Config::parse(text, Path::new("c.toml")).unwrap().validate(Path::new("c.toml")).unwrap_err();

@@ -1,5 +1,7 @@
-//! `stoker inspect FILE.h5`: what is in an HDF5 file, how stoker would read
-//! each dataset (fast path or libhdf5, and why), and a config snippet.
+//! `stoker inspect PATH`: what is in an HDF5 file (datasets, layouts,
+//! filters, and how stoker would read each: fast path or libhdf5, and why) or
+//! an LMDB environment (entries, key patterns, value formats and sizes), with
+//! a suggested dataset config.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -97,6 +99,55 @@ fn report(dataset: hdf5::Dataset, path: String, cache: &ChunkCache) -> DatasetRe
         Err(found) => (found, false, "not servable: stoker serves numeric datasets".to_string()),
     };
     DatasetReport { path, shape, dtype, servable, byte_order, layout, chunks, filters, read_path }
+}
+
+/// Whether `path` is an LMDB environment (a directory holding `data.mdb`, or an `.mdb`/`.lmdb` file).
+pub fn is_lmdb(path: &Path) -> bool {
+    path.join("data.mdb").is_file() || (path.is_file() && path.extension().is_some_and(|e| e == "mdb" || e == "lmdb"))
+}
+
+/// Scans an LMDB environment (the first `probe` sample values are decoded far enough to learn their shape).
+pub fn inspect_lmdb(path: &Path, probe: usize) -> anyhow::Result<crate::source::lmdb::EnvScan> {
+    Ok(crate::source::lmdb::scan(path, probe)?)
+}
+
+/// The human-readable LMDB report, with a suggested `[datasets.NAME]` table.
+pub fn format_lmdb_report(path: &Path, scan: &crate::source::lmdb::EnvScan) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "{} (LMDB)", path.display());
+    let _ = writeln!(out, "  entries        {}", scan.entries);
+    if !scan.metadata_keys.is_empty() {
+        let _ = writeln!(out, "  metadata keys  {} (skipped by default)", scan.metadata_keys.join(", "));
+    }
+    let list = |v: &[(String, u64)]| v.iter().map(|(k, n)| format!("{k} ×{n}")).collect::<Vec<_>>().join(", ");
+    let _ = writeln!(out, "  key patterns   {}", list(&scan.key_patterns));
+    let _ = writeln!(out, "  keys           {}", scan.first_keys.join(", "));
+    let _ = writeln!(out, "  formats        {} (first {} values)", list(&scan.formats), scan.probed);
+    let _ = writeln!(out, "  decoded        {}", list(&scan.shapes));
+    let codec = scan.formats.first().map_or("raw", |(f, _)| f.as_str());
+    let stem =
+        path.file_stem().map_or("data".into(), |s| s.to_string_lossy().replace(|c: char| !c.is_alphanumeric(), "_"));
+    let _ = writeln!(out, "\nsuggested config:\n");
+    let _ = writeln!(out, "[datasets.{stem}]\nformat = \"lmdb\"");
+    let _ = writeln!(
+        out,
+        "\n[[datasets.{stem}.fields]]\nname = \"x\"\nenv = {:?}\ncodec = {codec:?}",
+        path.display().to_string()
+    );
+    if scan.shapes.len() > 1 {
+        let _ = writeln!(
+            out,
+            "# values differ in shape: without a transform that fixes it the field arrives as a list of arrays;\n\
+             # e.g. transforms = [{{ random_crop = {{ height = 224, width = 224 }} }}, \"hflip\", {{ to_f32 = {{ scale = 0.00392156862745098 }} }}, \"chw\"]"
+        );
+    }
+    if codec.contains('?') || codec == "unknown" {
+        let _ = writeln!(
+            out,
+            "# format not recognised: use codec = \"raw\" with dtype and shape if values are plain arrays"
+        );
+    }
+    out
 }
 
 /// The human-readable report, with a suggested `[datasets.NAME]` table.

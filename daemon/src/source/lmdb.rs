@@ -27,7 +27,7 @@
 //! [`LmdbSource::read_into`] into a growable buffer with its shape: the
 //! material for ragged delivery.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -807,6 +807,101 @@ fn fits(shape: &[u64], dtype: DType, room: usize) -> Result<usize, String> {
         ));
     }
     Ok(n)
+}
+
+/// What `stoker inspect` reports about one environment.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct EnvScan {
+    /// Entries in the main database.
+    pub entries: u64,
+    /// Keys that look like metadata (`__len__`, `length`, …), skipped by default.
+    pub metadata_keys: Vec<String>,
+    /// Key shapes (digits as `#`, letters as `a`) and how many keys have each.
+    pub key_patterns: Vec<(String, u64)>,
+    /// First and last sample keys.
+    pub first_keys: Vec<String>,
+    /// Value formats among the values probed: `png`, `jpeg`, `npy`, `lz4+npy`, …, `unknown`.
+    pub formats: Vec<(String, u64)>,
+    /// Decoded dtype and shape among the values probed, with counts.
+    pub shapes: Vec<(String, u64)>,
+    /// Values probed (the first ones in key order).
+    pub probed: u64,
+}
+
+/// Scans an environment for `stoker inspect`: counts keys, sniffs the
+/// format of the first `probe` sample values and probes their shapes.
+pub fn scan(path: &Path, probe: usize) -> Result<EnvScan, SourceError> {
+    let env = SharedEnv::open(path)?;
+    let err = |e: heed::Error| SourceError::LmdbOpen { env: path.to_owned(), message: e.to_string() };
+    let rtxn = env.env.read_txn().map_err(err)?;
+    let mut scan = EnvScan::default();
+    let mut patterns: BTreeMap<String, u64> = BTreeMap::new();
+    let mut formats: BTreeMap<String, u64> = BTreeMap::new();
+    let mut shapes: BTreeMap<String, u64> = BTreeMap::new();
+    let mut last = None;
+    for entry in env.db.lazily_decode_data().iter(&rtxn).map_err(err)? {
+        let (key, lazy) = entry.map_err(err)?;
+        scan.entries += 1;
+        if is_metadata_key(key) {
+            scan.metadata_keys.push(show_key(key));
+            continue;
+        }
+        let pattern: String = String::from_utf8_lossy(key)
+            .chars()
+            .map(|c| {
+                if c.is_ascii_digit() {
+                    '#'
+                } else if c.is_alphabetic() {
+                    'a'
+                } else {
+                    c
+                }
+            })
+            .collect();
+        *patterns.entry(pattern).or_default() += 1;
+        if scan.first_keys.len() < 3 {
+            scan.first_keys.push(show_key(key));
+        } else {
+            last = Some(show_key(key));
+        }
+        if (scan.probed as usize) < probe {
+            scan.probed += 1;
+            let value =
+                lazy.decode().map_err(|e| SourceError::LmdbOpen { env: path.to_owned(), message: e.to_string() })?;
+            let (format, info) = sniff_value(value);
+            *formats.entry(format).or_default() += 1;
+            if let Some(info) = info {
+                *shapes.entry(info.to_string()).or_default() += 1;
+            }
+        }
+    }
+    scan.first_keys.extend(last);
+    let by_count = |m: BTreeMap<String, u64>| {
+        let mut v: Vec<_> = m.into_iter().collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        v.truncate(8);
+        v
+    };
+    scan.key_patterns = by_count(patterns);
+    scan.formats = by_count(formats);
+    scan.shapes = by_count(shapes);
+    Ok(scan)
+}
+
+/// The codec name a value seems to need, and its decoded layout when a codec probes it.
+fn sniff_value(value: &[u8]) -> (String, Option<ArrayInfo>) {
+    let outer = crate::codec::sniff(value);
+    let candidates: Vec<String> = match outer {
+        "lz4" | "zstd" => ["npy", "png", "jpeg"].iter().map(|inner| format!("{outer}+{inner}")).collect(),
+        "unknown" => return ("unknown".into(), None),
+        format => vec![format.to_string()],
+    };
+    for name in &candidates {
+        if let Ok(info) = Codec::parse(name, None).and_then(|codec| codec.probe(value)) {
+            return (name.clone(), Some(info));
+        }
+    }
+    (format!("{outer}+?"), None)
 }
 
 /// A predicate on keys.
