@@ -228,8 +228,20 @@ impl Config {
 
     /// Parses config text; `path` is only used in messages.
     pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
-        toml::from_str(text)
-            .map_err(|e| ConfigError::Parse { path: path.to_owned(), message: e.to_string().trim_end().to_string() })
+        toml::from_str(text).map_err(|e| {
+            let mut message = e.to_string().trim_end().to_string();
+            // Errors inside a `format`-tagged dataset table point at the table's
+            // header; name the line of the offending key as well.
+            if let Some(key) = message.split("unknown field `").nth(1).and_then(|r| r.split('`').next()) {
+                let at = text
+                    .lines()
+                    .position(|l| l.trim_start().strip_prefix(key).is_some_and(|r| r.trim_start().starts_with('=')));
+                if let Some(line) = at {
+                    message.push_str(&format!(" (`{key}` is on line {})", line + 1));
+                }
+            }
+            ConfigError::Parse { path: path.to_owned(), message }
+        })
     }
 
     /// Checks values and resolves defaults.
@@ -321,6 +333,14 @@ mod tests {
         let msg = err.to_string();
         assert!(msg.contains("line 3"), "{msg}");
         assert!(msg.contains("deepth"), "{msg}");
+    }
+
+    #[test]
+    fn unknown_key_in_a_dataset_table_names_its_line() {
+        let text =
+            "[datasets.x]\nformat = \"lmdb\"\n[[datasets.x.fields]]\nname = \"a\"\nenv = \"/e\"\ncodex = \"png\"\n";
+        let msg = Config::parse(text, Path::new("x.toml")).unwrap_err().to_string();
+        assert!(msg.contains("codex") && msg.contains("line 6"), "{msg}");
     }
 
     #[test]
