@@ -27,11 +27,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shlex
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +38,9 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import Daemon, machine_info, stoker_bin, warm_page_cache  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = {"16KiB": 4096, "1MiB": 262144}  # name -> f32 elements per sample
@@ -72,13 +72,6 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
-def stoker_bin(arg: str | None) -> str:
-    path = arg or os.environ.get("STOKER_BIN") or str(REPO / "target" / "release" / "stoker")
-    if not Path(path).is_file():
-        sys.exit(f"stoker binary not found at {path} (cargo build --release, or --stoker PATH)")
-    return path
-
-
 # ---------------------------------------------------------------------------
 # Data
 # ---------------------------------------------------------------------------
@@ -105,59 +98,9 @@ def ensure_file(path: Path, n: int, elems: int) -> None:
     tmp.rename(path)
 
 
-def warm_page_cache(path: Path) -> None:
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(16 << 20)
-        while f.readinto(buf):
-            pass
-
-
 # ---------------------------------------------------------------------------
 # Daemon
 # ---------------------------------------------------------------------------
-
-
-class Daemon:
-    def __init__(self, binary: str, workdir: Path, allowed: Path, threads: int, depth: int) -> None:
-        self.socket = str(workdir / "stoker.sock")
-        config = workdir / "stoker.toml"
-        config.write_text(
-            "[server]\n"
-            f'socket = "{self.socket}"\n'
-            f'allowed_roots = ["{allowed.resolve()}"]\n'
-            f"[workers]\nthreads = {threads}\n"
-            f"[ring]\ndepth = {depth}\n"
-        )
-        self.log = open(workdir / "daemon.log", "wb")
-        self.proc = subprocess.Popen(
-            [binary, "serve", "--config", str(config), "--socket", self.socket],
-            stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
-        )
-        deadline = time.monotonic() + 20
-        while True:
-            if self.proc.poll() is not None:
-                sys.exit(f"stoker serve exited with {self.proc.returncode}:\n{(workdir / 'daemon.log').read_text()}")
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                s.connect(self.socket)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    sys.exit("stoker serve did not start listening within 20 s")
-                time.sleep(0.05)
-            finally:
-                s.close()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 # ---------------------------------------------------------------------------
@@ -231,34 +174,6 @@ def per_batch_cost(stoker, spec, sample_bytes: int, a: argparse.Namespace, sock:
 # ---------------------------------------------------------------------------
 
 
-def machine_info() -> dict[str, str]:
-    cpu = "unknown"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = "unknown"
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemTotal"):
-                mem = f"{int(line.split()[1]) / 1024 / 1024:.1f} GiB"
-                break
-    except OSError:
-        pass
-    return {
-        "nproc": str(os.cpu_count()),
-        "cpu": cpu,
-        "memory": mem,
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "h5py": h5py.__version__,
-    }
-
-
 def render(a: argparse.Namespace, info: dict[str, str], files: dict[str, tuple[Path, int]],
            tp: dict[str, dict], cost: dict[str, dict], version: str) -> str:
     cmd = "python " + " ".join(shlex.quote(x) for x in [os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
@@ -329,7 +244,7 @@ def main() -> int:
 
     version = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.strip() or "unknown"
     workdir = Path(tempfile.mkdtemp(prefix="stoker-bench-"))
-    daemon = Daemon(binary, workdir, root, a.threads, a.depth)
+    daemon = Daemon(binary, workdir, root, threads=a.threads, depth=a.depth)
     tp, cost = {}, {}
     try:
         for name, (path, _) in files.items():
