@@ -90,14 +90,18 @@ def jpeg_bytes(im: Image.Image, **params: object) -> bytes:
 
 def npy_bytes(a: np.ndarray, *, fortran: bool = False) -> bytes:
     buf = io.BytesIO()
-    np.save(buf, np.asfortranarray(a) if fortran else np.ascontiguousarray(a))
+    a = np.asarray(a)
+    # (np.ascontiguousarray would turn a 0-d array into shape (1,).)
+    np.save(buf, np.asfortranarray(a) if fortran and a.ndim else np.asarray(a, order="C"))
     return buf.getvalue()
 
 
 def image_of(a: np.ndarray) -> Image.Image:
     """A Pillow image of an `[h, w, c]` uint8 array (c = 1, 2, 3, 4)."""
-    modes = {1: "L", 2: "LA", 3: "RGB", 4: "RGBA"}
-    return Image.fromarray(a[..., 0] if a.shape[2] == 1 else a, modes[a.shape[2]])
+    assert a.dtype == np.uint8 and a.ndim == 3 and a.shape[2] in (1, 2, 3, 4), (a.dtype, a.shape)
+    im = Image.fromarray(np.ascontiguousarray(a[..., 0] if a.shape[2] == 1 else a))
+    assert im.mode == {1: "L", 2: "LA", 3: "RGB", 4: "RGBA"}[a.shape[2]], im.mode
+    return im
 
 
 def png_of(a: np.ndarray) -> bytes:

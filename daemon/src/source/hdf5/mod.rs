@@ -8,7 +8,7 @@
 //! `[trajectory, time, x, y, …]` layout.
 //!
 //! Files are opened once and stay open; metadata comes from libhdf5 at open;
-//! data is read by [`field::FieldReader`] (pread and Rust decoders where it
+//! data is read by `field::FieldReader` (pread and Rust decoders where it
 //! can, libhdf5 where it must).
 
 pub(crate) mod field;
