@@ -93,7 +93,51 @@ pub(super) fn decode_png(value: &[u8], expect: Option<&ArrayInfo>, dst: &mut [u8
     let found = ArrayInfo { dtype, shape: vec![height as u64, width as u64, channels as u64] };
     check(expect, &found, dst)?;
     decoder.decode_into(dst).map_err(|e| png_err(format!("{e:?}")))?;
+    if dtype == DType::U16 {
+        apply_trns16(value, channels, dst);
+    }
     Ok(found)
+}
+
+/// Sets the alpha of a 16-bit gray or RGB image with a `tRNS` colour key:
+/// 0 where the pixel equals the key, 65535 elsewhere. (zune-png 0.5 compares
+/// the key in the wrong byte order for 16-bit samples, so it never matches on
+/// little-endian hosts; this redoes that step from the decoded pixels.)
+fn apply_trns16(value: &[u8], channels: usize, dst: &mut [u8]) {
+    let color = value.get(25).copied();
+    let colour_channels = match color {
+        Some(0) => 1,
+        Some(2) => 3,
+        _ => return,
+    };
+    if channels != colour_channels + 1 {
+        return;
+    }
+    let Some(key) = trns_chunk(value).filter(|k| k.len() >= 2 * colour_channels) else { return };
+    let key: Vec<u16> = key.chunks_exact(2).take(colour_channels).map(|b| u16::from_be_bytes([b[0], b[1]])).collect();
+    for pixel in dst.chunks_exact_mut(2 * channels) {
+        let matches = pixel
+            .chunks_exact(2)
+            .take(colour_channels)
+            .zip(&key)
+            .all(|(sample, &k)| u16::from_ne_bytes([sample[0], sample[1]]) == k);
+        let alpha: u16 = if matches { 0 } else { u16::MAX };
+        pixel[2 * colour_channels..].copy_from_slice(&alpha.to_ne_bytes());
+    }
+}
+
+/// The data of the `tRNS` chunk before the first `IDAT`, if any.
+fn trns_chunk(value: &[u8]) -> Option<&[u8]> {
+    let mut at = 8usize;
+    loop {
+        let len = u32::from_be_bytes(value.get(at..at + 4)?.try_into().ok()?) as usize;
+        let kind = value.get(at + 4..at + 8)?;
+        match kind {
+            b"IDAT" => return None,
+            b"tRNS" => return value.get(at + 8..at + 8 + len),
+            _ => at = at.checked_add(12)?.checked_add(len)?,
+        }
+    }
 }
 
 /// Reads a JPEG's markers up to the first scan.
