@@ -23,6 +23,7 @@ create_exception!(_native, DatasetError, StokerError, "The dataset cannot be ope
 create_exception!(_native, ProtocolError, StokerError, "Client and daemon disagree (versions, messages, state).");
 create_exception!(_native, LimitError, StokerError, "A configured limit of the daemon would be exceeded.");
 create_exception!(_native, AccessDenied, StokerError, "The daemon does not serve this user or path.");
+create_exception!(_native, Timeout, StokerError, "The daemon did not answer within the Loader's timeout.");
 
 /// The single mapping from client errors to Python exceptions.
 fn to_py(py: Python<'_>, err: ClientError) -> PyErr {
@@ -180,13 +181,15 @@ impl NativeStream {
     }
 
     /// Repositions the stream at (`epoch`, `step`).
-    fn set_epoch(&self, py: Python<'_>, epoch: u64, step: u64) -> PyResult<()> {
-        wait(py, |interrupted| self.stream.set_epoch_interruptible(epoch, step, interrupted))
+    #[pyo3(signature = (epoch, step, timeout=None))]
+    fn set_epoch(&self, py: Python<'_>, epoch: u64, step: u64, timeout: Option<f64>) -> PyResult<()> {
+        wait(py, timeout, |interrupted| self.stream.set_epoch_interruptible(epoch, step, interrupted))
     }
 
     /// The next batch as a dict of read-only arrays, or `None` at the end of the epoch.
-    fn next<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let Some(batch) = wait(py, |interrupted| self.stream.next_interruptible(interrupted))? else {
+    #[pyo3(signature = (timeout=None))]
+    fn next<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(batch) = wait(py, timeout, |interrupted| self.stream.next_interruptible(interrupted))? else {
             return Ok(None);
         };
         // (dtype, [(shape, pointer)]): one entry for a fixed field, one per row for a ragged one.
@@ -230,11 +233,18 @@ impl NativeStream {
 /// ends the wait and is raised.
 fn wait<T: Send>(
     py: Python<'_>,
+    timeout: Option<f64>,
     call: impl Send + FnOnce(&mut dyn FnMut() -> bool) -> Result<T, ClientError>,
 ) -> PyResult<T> {
     let mut raised: Option<PyErr> = None;
+    let deadline = timeout.map(|t| std::time::Instant::now() + std::time::Duration::from_secs_f64(t.max(0.0)));
+    let mut timed_out = false;
     let got = py.detach(|| {
         call(&mut || {
+            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                timed_out = true;
+                return true;
+            }
             Python::attach(|py| match py.check_signals() {
                 Ok(()) => false,
                 Err(e) => {
@@ -246,6 +256,11 @@ fn wait<T: Send>(
     });
     match got {
         Ok(v) => Ok(v),
+        Err(ClientError::Interrupted) if timed_out => Err(Timeout::new_err(format!(
+            "the stoker daemon did not answer within {:.1} s (see `stoker status` and the daemon's log; \
+             is it stopped or overloaded?)",
+            timeout.unwrap_or_default()
+        ))),
         Err(ClientError::Interrupted) => {
             Err(raised.unwrap_or_else(|| pyo3::exceptions::PyKeyboardInterrupt::new_err(())))
         }
@@ -303,6 +318,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ProtocolError", py.get_type::<ProtocolError>())?;
     m.add("LimitError", py.get_type::<LimitError>())?;
     m.add("AccessDenied", py.get_type::<AccessDenied>())?;
+    m.add("Timeout", py.get_type::<Timeout>())?;
     m.add("DEFAULT_SOCKET", stoker_client::proto::DEFAULT_SOCKET)?;
     m.add("SOCKET_ENV", stoker_client::proto::SOCKET_ENV)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -103,3 +103,25 @@ def test_ctrl_c_interrupts_a_wait_and_the_loader_still_works(start_daemon, stoke
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()
+
+
+def test_timeout_raises_when_the_daemon_does_not_answer_and_the_loader_recovers(start_daemon, stoker, data) -> None:
+    daemon = start_daemon(datasets={"train": data})
+    loader = stoker.Loader("train", batch_size=8, shuffle=False, socket=daemon.socket, timeout=0.5)
+    it = iter(loader)
+    first = data.check_batch(next(it))
+    stop_process(daemon.proc.pid)
+    try:
+        t0 = time.monotonic()
+        try:
+            next(it)
+        except stoker.Timeout as e:
+            assert "did not answer" in str(e)
+        else:
+            raise AssertionError("next() returned while the daemon was stopped")
+        assert time.monotonic() - t0 < 30  # a hang guard, not a timing assertion
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    # The timed-out request's batch is discarded; iteration goes on with the one after it.
+    rest = [i for b in it for i in data.check_batch(b)]
+    assert first + rest == list(range(0, 8)) + list(range(16, data.n))

@@ -33,6 +33,7 @@ from ._native import (
     NativeStream as _NativeStream,
     ProtocolError,
     StokerError,
+    Timeout,
     __version__,
 )
 
@@ -48,6 +49,7 @@ __all__ = [
     "ProtocolError",
     "LimitError",
     "AccessDenied",
+    "Timeout",
     "__version__",
 ]
 
@@ -257,7 +259,10 @@ class Loader:
     padded by wrap-around (or truncated with ``drop_last``) so all ranks get
     ``len(loader)`` batches. ``rank``/``world_size`` default to ``RANK``/
     ``WORLD_SIZE``, else ``SLURM_PROCID``/``SLURM_NTASKS``, else 0/1; ``socket``
-    to ``$STOKER_SOCKET``, else the daemon's default socket.
+    to ``$STOKER_SOCKET``, else the daemon's default socket. ``timeout``
+    (seconds, like DataLoader's) bounds each wait for the daemon and raises
+    :class:`Timeout`; by default a wait lasts as long as it must (Ctrl-C
+    always interrupts it).
 
     The constructor connects and opens the stream, so a missing daemon
     (:class:`DaemonUnavailable`) or a bad dataset (:class:`DatasetError`)
@@ -275,6 +280,7 @@ class Loader:
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         socket: Optional[Union[str, os.PathLike]] = None,
+        timeout: Optional[float] = None,
     ) -> None:
         if isinstance(dataset, str):
             wire = ("name", dataset)
@@ -290,6 +296,9 @@ class Loader:
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
         self.socket = os.fspath(socket) if socket is not None else os.environ.get(SOCKET_ENV, DEFAULT_SOCKET)
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds or None, not {timeout}")
+        self.timeout = timeout
         self._epoch = 0
         self._step = 0
         self._resume: Optional[int] = None
@@ -323,7 +332,7 @@ class Loader:
     def __iter__(self) -> Iterator[Batch]:
         start = self._resume if self._resume is not None else 0
         self._resume = None
-        self._stream.set_epoch(self._epoch, start)
+        self._stream.set_epoch(self._epoch, start, self.timeout)
         self._step = start
         return _EpochIterator(self)
 
@@ -382,17 +391,18 @@ class Loader:
 class _EpochIterator:
     """One pass over an epoch. Holds no batch between ``next`` calls."""
 
-    __slots__ = ("_loader", "_next")
+    __slots__ = ("_loader", "_next", "_timeout")
 
     def __init__(self, loader: Loader) -> None:
         self._loader = loader
         self._next = loader._stream.next
+        self._timeout = loader.timeout
 
     def __iter__(self) -> "_EpochIterator":
         return self
 
     def __next__(self) -> Batch:
-        batch = self._next()
+        batch = self._next(self._timeout)
         if batch is None:
             raise StopIteration
         self._loader._step += 1
