@@ -1,11 +1,13 @@
 //! Which dataset a stream reads: resolves a client's [`DatasetRef`] (a name
 //! from the config, or an ad-hoc HDF5 or LMDB description) into an open
-//! [`Source`], checks ad-hoc paths against `allowed_roots`, and keeps every
-//! opened source for reuse by later streams (files stay open, caches stay warm).
+//! [`Source`], checks ad-hoc paths against `allowed_roots`, and keeps opened
+//! sources for reuse by later streams (files stay open, caches stay warm): all
+//! sources in use, plus the [`KEEP_IDLE`] most recently used idle ones.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use stoker_proto::{DatasetInfo, DatasetRef, ErrorKind, LmdbDataset, TransformDef};
 
@@ -16,6 +18,9 @@ use crate::source::hdf5::{Hdf5Source, Hdf5Spec, Window};
 use crate::source::lmdb::{KeyFilter, LmdbField, LmdbSource, LmdbSpec, OnError};
 use crate::source::{Source, SourceError};
 use crate::transform::{Filter, Pair, Step};
+
+/// Idle sources (no open stream) kept open for the next stream that wants them.
+pub const KEEP_IDLE: usize = 16;
 
 /// An error for the client: kind and message.
 pub type Refusal = (ErrorKind, String);
@@ -34,8 +39,8 @@ pub struct Opened {
 pub struct Datasets {
     settings: Settings,
     chunk_cache: Arc<ChunkCache>,
-    /// Keyed by the resolved description.
-    open: Mutex<HashMap<String, Opened>>,
+    /// Keyed by the resolved description, with when each was last opened.
+    open: Mutex<HashMap<String, (Opened, Instant)>>,
 }
 
 enum Resolved {
@@ -56,7 +61,8 @@ impl Datasets {
             Resolved::Hdf5(spec) => format!("hdf5 {spec:?}"),
             Resolved::Lmdb(spec) => format!("lmdb {spec:?}"),
         };
-        if let Some(opened) = self.lock().get(&key) {
+        if let Some((opened, used)) = self.lock().get_mut(&key) {
+            *used = Instant::now();
             return Ok(Opened { label, source: opened.source.clone() });
         }
         let source: Arc<dyn Source> = match resolved {
@@ -67,15 +73,18 @@ impl Datasets {
         };
         tracing::info!(dataset = %label, samples = source.len(), "opened dataset");
         let opened = Opened { label, source };
-        self.lock().insert(key, opened.clone());
+        let mut open = self.lock();
+        open.insert(key, (opened.clone(), Instant::now()));
+        evict_idle(&mut open);
         Ok(opened)
     }
 
     /// Datasets named in the config, for `stoker datasets`, with skip counts of those opened.
     pub fn named(&self) -> Vec<DatasetInfo> {
         let open = self.lock();
-        let skipped =
-            |name: &str| open.values().filter(|o| o.label == name).map(|o| o.source.skipped()).max().unwrap_or(0);
+        let skipped = |name: &str| {
+            open.values().filter(|(o, _)| o.label == name).map(|(o, _)| o.source.skipped()).max().unwrap_or(0)
+        };
         self.settings
             .datasets
             .iter()
@@ -104,10 +113,10 @@ impl Datasets {
 
     /// `(label, samples skipped)` of every open dataset that skipped any.
     pub fn skips(&self) -> Vec<(String, u64)> {
-        self.lock().values().map(|o| (o.label.clone(), o.source.skipped())).filter(|(_, n)| *n > 0).collect()
+        self.lock().values().map(|(o, _)| (o.label.clone(), o.source.skipped())).filter(|(_, n)| *n > 0).collect()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Opened>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, (Opened, Instant)>> {
         self.open.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -177,6 +186,25 @@ impl Datasets {
             window: ds.window.map(|w| Window { size: w.size, stride: w.stride }),
             per_item: ds.per_item.clone(),
             fast_path: self.settings.hdf5_fast_path,
+        }
+    }
+}
+
+/// Closes the least recently used idle sources beyond [`KEEP_IDLE`]. A source
+/// is idle when only this registry holds it (no stream, no fill in flight).
+fn evict_idle(open: &mut HashMap<String, (Opened, Instant)>) {
+    let mut idle: Vec<(Instant, String)> = open
+        .iter()
+        .filter(|(_, (o, _))| Arc::strong_count(&o.source) == 1)
+        .map(|(k, (_, used))| (*used, k.clone()))
+        .collect();
+    if idle.len() <= KEEP_IDLE {
+        return;
+    }
+    idle.sort();
+    for (_, key) in &idle[..idle.len() - KEEP_IDLE] {
+        if let Some((o, _)) = open.remove(key) {
+            tracing::info!(dataset = %o.label, "closed idle dataset");
         }
     }
 }
