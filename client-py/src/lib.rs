@@ -28,7 +28,7 @@ create_exception!(_native, Timeout, StokerError, "The daemon did not answer with
 /// The single mapping from client errors to Python exceptions.
 fn to_py(py: Python<'_>, err: ClientError) -> PyErr {
     match err {
-        ClientError::Unavailable { .. } => DaemonUnavailable::new_err(err.to_string()),
+        ClientError::Unavailable { .. } | ClientError::Disconnected(_) => DaemonUnavailable::new_err(err.to_string()),
         ClientError::Daemon { kind, message } => match kind {
             ErrorKind::Dataset | ErrorKind::NotFound => DatasetError::new_err(message),
             ErrorKind::Limit | ErrorKind::RingExhausted => LimitError::new_err(message),

@@ -10,6 +10,7 @@ import textwrap
 import time
 
 import numpy as np
+import pytest
 
 from conftest import stop_process
 
@@ -125,3 +126,30 @@ def test_timeout_raises_when_the_daemon_does_not_answer_and_the_loader_recovers(
     # The timed-out request's batch is discarded; iteration goes on with the one after it.
     rest = [i for b in it for i in data.check_batch(b)]
     assert first + rest == list(range(0, 8)) + list(range(16, data.n))
+
+
+def test_iteration_survives_a_daemon_restart(start_daemon, stoker, data) -> None:
+    """The daemon is killed mid-epoch and a new one starts on the same socket
+    (as systemd would restart it): the loader reconnects and resumes at the
+    next batch, so the epoch is exactly the uninterrupted one."""
+    from conftest import Daemon
+
+    daemon = start_daemon(datasets={"train": data})
+    kw = dict(batch_size=8, shuffle=True, seed=5, socket=daemon.socket)
+    expected = _labels(stoker.Loader("train", **kw))
+
+    loader = stoker.Loader("train", reconnect=30, **kw)
+    it = iter(loader)
+    held = next(it)  # arrays from the old daemon's ring stay valid
+    got = _labels([held, next(it)])
+    daemon.kill()
+    restarted = Daemon(daemon.workdir, daemon.config.read_text())
+    try:
+        with pytest.warns(RuntimeWarning, match="reconnected"):
+            for b in it:
+                data.check_batch(b)
+                got += _labels([b])
+        assert got == expected
+        data.check_batch(held)
+    finally:
+        restarted.stop()

@@ -576,7 +576,7 @@ def test_sigterm_stops_the_daemon(start_daemon, data, stoker) -> None:
     """SIGTERM with a client connected: the daemon exits 0 promptly, and the
     client gets an error instead of hanging."""
     d = start_daemon(depth=2)
-    loader = stoker.Loader(data.spec(stoker), batch_size=BATCH, shuffle=False, socket=d.socket)
+    loader = stoker.Loader(data.spec(stoker), batch_size=BATCH, shuffle=False, socket=d.socket, reconnect=0)
     it = iter(loader)
     data.check_batch(next(it))
     rc = d.terminate(timeout=10)

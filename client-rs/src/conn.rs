@@ -62,8 +62,12 @@ impl Conn {
     fn send(&self, req: &Request) -> Result<()> {
         let frame = stoker_proto::encode_frame(req).map_err(|e| ClientError::Protocol(e.to_string()))?;
         let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
-        w.write_all(&frame)?;
-        Ok(())
+        w.write_all(&frame).map_err(|e| match e.kind() {
+            std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset => {
+                ClientError::Disconnected(e.to_string())
+            }
+            _ => ClientError::Io(e),
+        })
     }
 
     /// Sends `req` and waits for its reply.
@@ -122,17 +126,14 @@ impl Reader {
                 }
             }
             match self.recv() {
-                Ok(0) => {
-                    return Err(ClientError::Protocol(
-                        "the stoker daemon closed the connection (it stopped or restarted; see its log)".into(),
-                    ));
-                }
+                Ok(0) => return Err(ClientError::Disconnected("it closed the connection".into())),
                 Ok(_) => {}
                 Err(Errno::AGAIN | Errno::INTR) => {
                     if interrupted() {
                         return Err(ClientError::Interrupted);
                     }
                 }
+                Err(e @ (Errno::CONNRESET | Errno::PIPE)) => return Err(ClientError::Disconnected(e.to_string())),
                 Err(e) => return Err(ClientError::Io(e.into())),
             }
         }

@@ -48,9 +48,12 @@ pub enum ClientError {
         /// The daemon's message.
         message: String,
     },
-    /// The daemon sent something this client does not understand, or hung up.
+    /// The daemon sent something this client does not understand.
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// The daemon went away mid-conversation (stopped, crashed or restarted).
+    #[error("lost the connection to the stoker daemon ({0}); it stopped or restarted, see its log")]
+    Disconnected(String),
     /// The connection failed mid-conversation.
     #[error("connection to the stoker daemon failed: {0}")]
     Io(#[from] std::io::Error),

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -262,7 +264,11 @@ class Loader:
     to ``$STOKER_SOCKET``, else the daemon's default socket. ``timeout``
     (seconds, like DataLoader's) bounds each wait for the daemon and raises
     :class:`Timeout`; by default a wait lasts as long as it must (Ctrl-C
-    always interrupts it).
+    always interrupts it). If the daemon goes away mid-epoch (restarted by
+    systemd, say), iteration reconnects to whatever daemon answers at the
+    socket within ``reconnect`` seconds and resumes at the next batch of the
+    same epoch (the order is a function of seed and epoch, so nothing is
+    repeated or skipped); ``reconnect=0`` raises :class:`DaemonUnavailable` instead.
 
     The constructor connects and opens the stream, so a missing daemon
     (:class:`DaemonUnavailable`) or a bad dataset (:class:`DatasetError`)
@@ -281,6 +287,7 @@ class Loader:
         world_size: Optional[int] = None,
         socket: Optional[Union[str, os.PathLike]] = None,
         timeout: Optional[float] = None,
+        reconnect: float = 60.0,
     ) -> None:
         if isinstance(dataset, str):
             wire = ("name", dataset)
@@ -299,14 +306,38 @@ class Loader:
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be positive seconds or None, not {timeout}")
         self.timeout = timeout
+        self.reconnect = float(reconnect)
+        self._wire = wire
         self._epoch = 0
         self._step = 0
         self._resume: Optional[int] = None
-        self._stream = _NativeStream(
-            self.socket, wire, self.batch_size, self.shuffle, self.seed, self.drop_last,
-            self.rank, self.world_size, 0, 0,
-        )
+        self._stream = self._open(0, 0)
         self._info = self._stream.info()
+
+    def _open(self, epoch: int, step: int) -> _NativeStream:
+        return _NativeStream(
+            self.socket, self._wire, self.batch_size, self.shuffle, self.seed, self.drop_last,
+            self.rank, self.world_size, epoch, step,
+        )
+
+    def _reconnect(self, error: DaemonUnavailable) -> None:
+        """The daemon went away: reopen the stream at the next undelivered batch
+        on whatever daemon answers at the socket within ``reconnect`` seconds."""
+        deadline = time.monotonic() + self.reconnect
+        while True:
+            try:
+                self._stream = self._open(self._epoch, self._step)
+                break
+            except DaemonUnavailable:
+                if time.monotonic() >= deadline:
+                    raise error from None
+                time.sleep(0.2)
+        warnings.warn(
+            f"stoker: reconnected to the daemon at {self.socket} after it went away; "
+            f"resuming epoch {self._epoch} at batch {self._step}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def __len__(self) -> int:
         """Batches per epoch for this rank."""
@@ -332,8 +363,13 @@ class Loader:
     def __iter__(self) -> Iterator[Batch]:
         start = self._resume if self._resume is not None else 0
         self._resume = None
-        self._stream.set_epoch(self._epoch, start, self.timeout)
         self._step = start
+        try:
+            self._stream.set_epoch(self._epoch, start, self.timeout)
+        except DaemonUnavailable as e:
+            if self.reconnect <= 0:
+                raise
+            self._reconnect(e)
         return _EpochIterator(self)
 
     def state_dict(self) -> Dict[str, Any]:
@@ -402,7 +438,14 @@ class _EpochIterator:
         return self
 
     def __next__(self) -> Batch:
-        batch = self._next(self._timeout)
+        try:
+            batch = self._next(self._timeout)
+        except DaemonUnavailable as e:
+            if self._loader.reconnect <= 0:
+                raise
+            self._loader._reconnect(e)
+            self._next = self._loader._stream.next
+            batch = self._next(self._timeout)
         if batch is None:
             raise StopIteration
         self._loader._step += 1
