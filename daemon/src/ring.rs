@@ -76,6 +76,40 @@ impl Ring {
         self.map.len() as u64
     }
 
+    /// Bytes of sample data in the first `rows` rows of `slot`: fixed fields in
+    /// full, ragged fields by the shapes their rows recorded. For statistics;
+    /// call it only for a slot no writer holds.
+    pub fn batch_bytes(&self, slot: u32, rows: u64) -> u64 {
+        let base = self.layout.slot_offset(slot);
+        self.layout
+            .fields
+            .iter()
+            .map(|field| match field.ragged {
+                None => field.sample_bytes() * rows,
+                Some(_) => {
+                    let table = (base + field.offset) as usize;
+                    let words = (rows as usize) * field.shape.len();
+                    assert!(table + words * 8 <= self.map.len(), "shape tables lie inside the ring");
+                    // SAFETY: in bounds (asserted); the caller guarantees no
+                    // writer holds this slot, so nothing mutates these bytes
+                    // while the shared slice lives. Built from `base` rather
+                    // than by borrowing the whole mapping, so it does not
+                    // alias writers' slices of other slots.
+                    let shapes = unsafe { std::slice::from_raw_parts(self.base.add(table), words * 8) };
+                    shapes
+                        .chunks_exact(8 * field.shape.len().max(1))
+                        .map(|row| {
+                            row.chunks_exact(8)
+                                .map(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes")))
+                                .product::<u64>()
+                                * field.dtype.size() as u64
+                        })
+                        .sum()
+                }
+            })
+            .sum()
+    }
+
     /// Exclusive write access to `rows` of `slot`, or `None` while another
     /// writer of that slot exists.
     pub fn writer(self: &Arc<Self>, slot: u32, rows: Range<u64>) -> Option<SlotWriter> {

@@ -213,16 +213,12 @@ impl Stream {
         }
         let now = Instant::now();
         st.delivered += 1;
-        let bytes = self.batch_bytes(rows);
+        let bytes = self.ring.batch_bytes(slot as u32, rows);
         st.recent.push_back((now, bytes));
         while st.recent.front().is_some_and(|(t, _)| now.duration_since(*t) > RATE_WINDOW) {
             st.recent.pop_front();
         }
         Some(Delivery::Batch(BatchReady { stream: self.meta.id, epoch, step, slot: slot as u32, rows }))
-    }
-
-    fn batch_bytes(&self, rows: u64) -> u64 {
-        self.ring.layout().fields.iter().map(|f| f.sample_bytes() * rows).sum()
     }
 
     /// The client gave `slot` back. Returns false if it did not hold it.
