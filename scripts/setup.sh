@@ -9,6 +9,8 @@ cd "$(dirname "$0")/.."
 need_apt=()
 dpkg -s libhdf5-dev >/dev/null 2>&1 || need_apt+=(libhdf5-dev)
 dpkg -s pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
+# Debian's own python3 needs python3-venv for `python3 -m venv` (pyenv/conda builds have it).
+python3 -c "import ensurepip, venv" >/dev/null 2>&1 || need_apt+=(python3-venv)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "==> apt-get install ${need_apt[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
