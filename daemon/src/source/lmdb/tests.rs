@@ -1,6 +1,6 @@
 //! LMDB source tests: environments written by heed here, and by Python's
 //! `lmdb` package (`testdata/make_lmdb.py`, run with `$STOKER_PYTHON`, else
-//! `/work/wt-codec/.venv/bin/python`, else `python3`). The Python tests skip
+//! the repository's `.venv/bin/python` (made by `scripts/setup.sh`), else `python3`). The Python tests skip
 //! with a note when that interpreter lacks numpy/Pillow/lmdb/zstandard,
 //! unless `STOKER_REQUIRE_PYTHON=1`.
 
@@ -231,7 +231,7 @@ fn python_envs() -> Option<&'static Path> {
     static DIR: OnceLock<Option<tempfile::TempDir>> = OnceLock::new();
     DIR.get_or_init(|| {
         let python = std::env::var_os("STOKER_PYTHON").map(PathBuf::from).unwrap_or_else(|| {
-            let venv = PathBuf::from("/work/wt-codec/.venv/bin/python");
+            let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
             if venv.exists() { venv } else { PathBuf::from("python3") }
         });
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/source/testdata/make_lmdb.py");
