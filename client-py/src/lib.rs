@@ -127,7 +127,7 @@ fn dataset_ref(spec: &Bound<'_, PyTuple>) -> PyResult<DatasetRef> {
 impl NativeStream {
     /// Connects to the daemon at `socket` and opens a stream.
     #[new]
-    #[pyo3(signature = (socket, dataset, batch_size, shuffle, seed, drop_last, rank, world_size, epoch, step))]
+    #[pyo3(signature = (socket, dataset, batch_size, shuffle, seed, drop_last, rank, world_size, epoch, step, timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -141,6 +141,7 @@ impl NativeStream {
         world_size: u64,
         epoch: u64,
         step: u64,
+        timeout: Option<f64>,
     ) -> PyResult<NativeStream> {
         let open = OpenStream {
             dataset: dataset_ref(dataset)?,
@@ -153,8 +154,9 @@ impl NativeStream {
             epoch,
             step,
         };
-        let stream =
-            py.detach(|| Client::connect(&socket).and_then(|c| c.open_stream(open))).map_err(|e| to_py(py, e))?;
+        let stream = wait(py, timeout, |interrupted| {
+            Client::connect_interruptible(&socket, interrupted)?.open_stream_interruptible(open, interrupted)
+        })?;
         let names = stream.info().layout.fields.iter().map(|f| PyString::intern(py, &f.name).unbind()).collect();
         Ok(NativeStream { stream, names })
     }

@@ -153,3 +153,20 @@ def test_iteration_survives_a_daemon_restart(start_daemon, stoker, data) -> None
         data.check_batch(held)
     finally:
         restarted.stop()
+
+
+def test_a_socket_that_never_answers_times_out_instead_of_hanging(stoker, short_tmp) -> None:
+    """A listener that accepts connections but never speaks (a wedged daemon,
+    or some other program on the path): the constructor gives up after
+    `timeout` instead of blocking forever."""
+    import socket as socketlib
+
+    path = str(short_tmp / "mute.sock")
+    mute = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    mute.bind(path)
+    mute.listen(4)  # connections complete in the backlog; nothing is ever read or sent
+    try:
+        with pytest.raises(stoker.Timeout):
+            stoker.Loader("train", batch_size=4, socket=path, timeout=0.5)
+    finally:
+        mute.close()

@@ -76,8 +76,12 @@ impl Conn {
     }
 
     /// Sends `req` and waits for its reply and the fd that travels with it.
-    pub(crate) fn request_with_fd(&self, req: &Request) -> Result<(Response, Option<OwnedFd>)> {
-        self.request_inner(req, &mut || false)
+    pub(crate) fn request_with_fd(
+        &self,
+        req: &Request,
+        interrupted: &mut dyn FnMut() -> bool,
+    ) -> Result<(Response, Option<OwnedFd>)> {
+        self.request_inner(req, interrupted)
     }
 
     fn request_inner(

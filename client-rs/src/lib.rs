@@ -88,6 +88,12 @@ pub struct Client {
 impl Client {
     /// Connects to the daemon at `path` and performs the version handshake.
     pub fn connect(path: impl AsRef<Path>) -> Result<Client> {
+        Client::connect_interruptible(path, &mut || false)
+    }
+
+    /// Like [`Client::connect`], with an interrupt check as in [`Stream::next_interruptible`]
+    /// (a socket whose daemon accepts but never answers would otherwise block forever).
+    pub fn connect_interruptible(path: impl AsRef<Path>, interrupted: &mut dyn FnMut() -> bool) -> Result<Client> {
         let path = path.as_ref();
         let sock =
             UnixStream::connect(path).map_err(|source| ClientError::Unavailable { path: path.to_owned(), source })?;
@@ -96,7 +102,7 @@ impl Client {
             version: stoker_proto::PROTOCOL_VERSION,
             client: format!("stoker-client {}", env!("CARGO_PKG_VERSION")),
         };
-        match conn.request(&hello, &mut || false)? {
+        match conn.request(&hello, interrupted)? {
             Response::Hello { .. } => Ok(Client { conn }),
             other => Err(unexpected(&other)),
         }
@@ -111,7 +117,12 @@ impl Client {
 
     /// Opens a stream and maps its ring.
     pub fn open_stream(&self, open: OpenStream) -> Result<Stream> {
-        let (resp, fd) = self.conn.request_with_fd(&Request::OpenStream(open))?;
+        self.open_stream_interruptible(open, &mut || false)
+    }
+
+    /// Like [`Client::open_stream`], with an interrupt check as in [`Stream::next_interruptible`].
+    pub fn open_stream_interruptible(&self, open: OpenStream, interrupted: &mut dyn FnMut() -> bool) -> Result<Stream> {
+        let (resp, fd) = self.conn.request_with_fd(&Request::OpenStream(open), interrupted)?;
         let info = match resp {
             Response::StreamOpened(info) => info,
             other => return Err(unexpected(&other)),

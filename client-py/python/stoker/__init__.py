@@ -317,7 +317,7 @@ class Loader:
     def _open(self, epoch: int, step: int) -> _NativeStream:
         return _NativeStream(
             self.socket, self._wire, self.batch_size, self.shuffle, self.seed, self.drop_last,
-            self.rank, self.world_size, epoch, step,
+            self.rank, self.world_size, epoch, step, self.timeout,
         )
 
     def _reconnect(self, error: DaemonUnavailable) -> None:
