@@ -6,7 +6,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use stoker_client::proto::{DatasetRef, ErrorKind, OpenStream};
-use stoker_client::{Client, ClientError};
+use stoker_client::{Batch, Client, ClientError, Stream};
 
 /// Python with h5py: $STOKER_PYTHON, else the repo's .venv, else python3.
 fn python() -> PathBuf {
@@ -77,6 +77,20 @@ impl Drop for Daemon {
     }
 }
 
+/// The sample ids (field `id`) of a batch.
+fn ids(batch: &Batch) -> Vec<u16> {
+    batch.field("id").unwrap().as_slice::<u16>().unwrap().to_vec()
+}
+
+/// The ids of every batch left in the stream's epoch.
+fn rest_of_epoch(stream: &Stream) -> Vec<u16> {
+    let mut out = Vec::new();
+    while let Some(b) = stream.next().unwrap() {
+        out.extend(ids(&b));
+    }
+    out
+}
+
 fn open(batch_size: u64, rank: u64, world_size: u64, shuffle: bool) -> OpenStream {
     OpenStream {
         dataset: DatasetRef::Named("parts".into()),
@@ -105,7 +119,7 @@ fn serves_every_sample_once_per_epoch_with_the_written_values() {
         let mut order = Vec::new();
         while let Some(batch) = stream.next().unwrap() {
             let x = batch.field("x").unwrap();
-            let ids = batch.field("id").unwrap().as_slice::<u16>().unwrap().to_vec();
+            let ids = ids(&batch);
             let xs = x.as_slice::<f32>().unwrap();
             assert_eq!(x.shape(), vec![batch.rows(), 3]);
             for (row, &id) in ids.iter().enumerate() {
@@ -134,12 +148,11 @@ fn holding_every_slot_is_an_error_not_a_hang_and_release_recovers() {
         Err(ClientError::Daemon { kind: ErrorKind::RingExhausted, .. }) => {}
         other => panic!("expected RingExhausted, got {other:?}"),
     }
-    let first_ids = first.field("id").unwrap().as_slice::<u16>().unwrap().to_vec();
-    assert_eq!(first_ids, (0..10).collect::<Vec<u16>>());
+    assert_eq!(ids(&first), (0..10).collect::<Vec<u16>>());
     drop(first);
     let third = stream.next().unwrap().unwrap();
     assert_eq!(third.step(), 2);
-    assert_eq!(third.field("id").unwrap().as_slice::<u16>().unwrap()[0], 20);
+    assert_eq!(ids(&third)[0], 20);
     drop((second, third));
 }
 
@@ -151,16 +164,9 @@ fn set_epoch_resumes_mid_epoch_in_the_same_order() {
     let client = Client::connect(&daemon.socket).unwrap();
     let stream = client.open_stream(open(8, 0, 1, true)).unwrap();
     stream.set_epoch(5, 0).unwrap();
-    let mut full = Vec::new();
-    while let Some(b) = stream.next().unwrap() {
-        full.extend_from_slice(b.field("id").unwrap().as_slice::<u16>().unwrap());
-    }
+    let full = rest_of_epoch(&stream);
     let resumed = client.open_stream(OpenStream { epoch: 5, step: 3, ..open(8, 0, 1, true) }).unwrap();
-    let mut tail = Vec::new();
-    while let Some(b) = resumed.next().unwrap() {
-        tail.extend_from_slice(b.field("id").unwrap().as_slice::<u16>().unwrap());
-    }
-    assert_eq!(&full[24..], &tail[..]);
+    assert_eq!(&full[24..], &rest_of_epoch(&resumed)[..]);
 }
 
 #[test]

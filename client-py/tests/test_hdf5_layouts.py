@@ -38,6 +38,11 @@ FILTERS = {
 CHUNKS = {"aligned": (1, 6, 5), "straddling": (3, 6, 5), "split-sample": (4, 4, 2)}
 
 
+def _tag(dt: str) -> str:
+    """A dataset-name-safe tag for a dtype string: '>i2' -> 'be_i2'."""
+    return dt.replace("<", "le_").replace(">", "be_").replace("|", "")
+
+
 def _values(rng: np.random.Generator, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     if dtype.kind == "b":
         return rng.integers(0, 2, size=shape).astype(bool)
@@ -100,7 +105,7 @@ def test_filters_and_chunkings_match_h5py(start_daemon, stoker, tmp_path: Path, 
             f.create_dataset("index", data=np.arange(sum(lengths[:k]), sum(lengths[:k]) + n))
             for dt in DTYPES:
                 dtype = np.dtype(dt)
-                tag = dt.replace("<", "le_").replace(">", "be_").replace("|", "")
+                tag = _tag(dt)
                 for chunk_name, chunks in CHUNKS.items():
                     name = f"{chunk_name}/{tag}"
                     f.create_dataset(name, data=_values(rng, dtype, (n, 6, 5)), chunks=chunks, **FILTERS[filt])
@@ -132,7 +137,7 @@ def test_contiguous_and_compact_layouts_match_h5py(start_daemon, stoker, tmp_pat
         with h5py.File(path, "w") as f:
             f.create_dataset("index", data=np.arange(sum(lengths[:k]), sum(lengths[:k]) + n))
             for dt in DTYPES:
-                tag = dt.replace("<", "le_").replace(">", "be_").replace("|", "")
+                tag = _tag(dt)
                 f.create_dataset(f"contiguous/{tag}", data=_values(rng, np.dtype(dt), (n, 3, 2)))
                 _compact(f, f"compact_{tag}", _values(rng, np.dtype(dt), (n, 2)))
                 fields[f"contiguous_{tag}"] = f"contiguous/{tag}"
@@ -257,3 +262,17 @@ def test_corrupt_chunk_names_file_field_and_chunk(start_daemon, stoker, tmp_path
     assert rows == list(range(0, 16)) + list(range(24, 40))
     assert sorted(i for b in good for i in data.check_batch(b)) == list(range(data.n))
     assert daemon.alive()
+
+
+def test_contradictory_window_spec_is_refused_naming_the_dataset(start_daemon, stoker, tmp_path: Path) -> None:
+    root = tmp_path / "spec"
+    root.mkdir()
+    with h5py.File(root / "a.h5", "w") as f:
+        f["x"] = np.zeros((3, 5, 2), dtype="<f4")
+        f["c"] = np.zeros((3, 2), dtype="<f4")
+    daemon = start_daemon(allowed_roots=[tmp_path])
+    glob = str(root / "*.h5")
+    spec = stoker.hdf5(glob, fields={"x": "x", "c": "c"}, window={"size": 2}, per_item=["x", "c"])
+    with pytest.raises(stoker.DatasetError) as e:
+        stoker.Loader(spec, batch_size=2, socket=daemon.socket)
+    assert glob in str(e.value) and "not per_item" in str(e.value), str(e.value)

@@ -423,14 +423,7 @@ impl LmdbSource {
             .iter()
             .map(|env| {
                 env.env.read_txn().map_err(|e| {
-                    SourceError::LmdbRead(Box::new(LmdbReadError {
-                        env: env.path.clone(),
-                        key: show_key(key),
-                        field: String::new(),
-                        codec: String::new(),
-                        index: sample.index,
-                        message: format!("cannot begin a read transaction: {e}"),
-                    }))
+                    read_error(&env.path, key, "", &"", sample.index, format!("cannot begin a read transaction: {e}"))
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -458,16 +451,7 @@ impl LmdbSource {
     ) -> Result<(), SourceError> {
         let plan = &self.plans[i];
         let env = &self.envs[plan.env];
-        let err = |message: String| {
-            SourceError::LmdbRead(Box::new(LmdbReadError {
-                env: env.path.clone(),
-                key: show_key(key),
-                field: plan.name.clone(),
-                codec: plan.codec.to_string(),
-                index: sample.index,
-                message,
-            }))
-        };
+        let err = |message: String| read_error(&env.path, key, &plan.name, &plan.codec, sample.index, message);
         let value = env
             .db
             .get(&txns[plan.env], key)
@@ -748,16 +732,7 @@ fn probe_field(
     let mut largest = 0u64;
     for index in 0..probe {
         let key = keys.get(index);
-        let read_err = |message: String| {
-            SourceError::LmdbRead(Box::new(LmdbReadError {
-                env: field.env.clone(),
-                key: show_key(key),
-                field: field.name.clone(),
-                codec: field.codec.to_string(),
-                index: index as u64,
-                message,
-            }))
-        };
+        let read_err = |message: String| read_error(&field.env, key, &field.name, &field.codec, index as u64, message);
         let probed = env
             .db
             .get(&rtxn, key)
@@ -902,6 +877,25 @@ fn sniff_value(value: &[u8]) -> (String, Option<ArrayInfo>) {
         }
     }
     (format!("{outer}+?"), None)
+}
+
+/// A read error naming the environment, key, field and codec involved.
+fn read_error(
+    env: &Path,
+    key: &[u8],
+    field: &str,
+    codec: &dyn fmt::Display,
+    index: u64,
+    message: String,
+) -> SourceError {
+    SourceError::LmdbRead(Box::new(LmdbReadError {
+        env: env.to_owned(),
+        key: show_key(key),
+        field: field.to_string(),
+        codec: codec.to_string(),
+        index,
+        message,
+    }))
 }
 
 /// A predicate on keys.

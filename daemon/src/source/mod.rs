@@ -148,6 +148,14 @@ pub enum SourceError {
         /// What disagrees with what.
         message: String,
     },
+    /// The dataset's description contradicts itself (window, per_item).
+    #[error("dataset {pattern:?}: {message}")]
+    Spec {
+        /// The glob.
+        pattern: String,
+        /// What is wrong and how to fix it.
+        message: String,
+    },
     /// The dataset has no samples.
     #[error("{pattern:?} holds no samples (every field has length 0 along the first axis)")]
     Empty {

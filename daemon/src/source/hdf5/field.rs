@@ -65,7 +65,7 @@ pub(crate) struct Chunked {
     /// Chunks per dimension.
     grid: Vec<u64>,
     /// Decoded bytes of one chunk.
-    chunk_bytes: usize,
+    pub(crate) chunk_bytes: usize,
     /// The filter pipeline, in the order it was applied when writing.
     pub(crate) filters: Vec<FilterSpec>,
     /// The fill value, one element in file byte order.

@@ -83,27 +83,24 @@ impl Hdf5Source {
         cache: Arc<ChunkCache>,
     ) -> Result<Hdf5Source, SourceError> {
         let pattern = &spec.files;
-        let invalid = |field: &str, message: String| SourceError::Inconsistent {
-            path: PathBuf::from(pattern),
-            field: field.to_string(),
-            h5path: spec.fields.iter().find(|(n, _)| n == field).map(|(_, p)| p.clone()).unwrap_or_default(),
-            message,
-        };
+        let invalid = |message: String| SourceError::Spec { pattern: pattern.clone(), message };
         if let Some(w) = spec.window.filter(|w| w.size == 0 || w.stride == 0) {
-            return Err(invalid("", format!("window size {} and stride {} must be at least 1", w.size, w.stride)));
+            return Err(invalid(format!("window size {} and stride {} must both be at least 1", w.size, w.stride)));
         }
         for name in &spec.per_item {
             if !spec.fields.iter().any(|(n, _)| n == name) {
-                return Err(invalid(name, "is listed in per_item but is not one of the fields".into()));
+                return Err(invalid(format!("per_item names {name:?}, which is not one of the fields")));
             }
             if spec.window.is_none() {
-                return Err(invalid(name, "per_item fields need a window; without one every field is per item".into()));
+                return Err(invalid(format!(
+                    "per_item names {name:?} but there is no window; without a window every field is per item"
+                )));
             }
         }
         let windowed: Vec<bool> =
             spec.fields.iter().map(|(n, _)| spec.window.is_some() && !spec.per_item.contains(n)).collect();
         if spec.window.is_some() && !windowed.contains(&true) {
-            return Err(invalid("", "a window needs at least one field that is not per_item".into()));
+            return Err(invalid("a window needs at least one field that is not per_item (the windowed fields)".into()));
         }
         let paths = expand(pattern)?;
         if let Some(roots) = allowed_roots {
@@ -140,6 +137,22 @@ impl Hdf5Source {
             .collect();
         if !slow.is_empty() {
             tracing::info!(dataset = %pattern, fields = %slow.join(", "), "reading through libhdf5, under its global lock");
+        }
+        let capacity = cache.stats().capacity;
+        for (field, reader) in fields.iter().zip(&files[0].fields) {
+            if let field::Layout::Chunked(c) = &reader.layout
+                && !c.filters.is_empty()
+                && c.chunk_bytes as u64 > capacity
+            {
+                tracing::warn!(
+                    dataset = %pattern,
+                    field = %field.name,
+                    chunk_bytes = c.chunk_bytes,
+                    cache_bytes = capacity,
+                    "decoded chunks do not fit in the chunk cache: every sample will decompress its whole chunk; \
+                     raise [cache] chunk_bytes or rechunk the file"
+                );
+            }
         }
         Ok(Hdf5Source { spec: spec.clone(), fields, windowed, files, starts, cache })
     }
