@@ -29,6 +29,7 @@ create_exception!(_native, Timeout, StokerError, "The daemon did not answer with
 fn to_py(py: Python<'_>, err: ClientError) -> PyErr {
     match err {
         ClientError::Unavailable { .. } | ClientError::Disconnected(_) => DaemonUnavailable::new_err(err.to_string()),
+        ClientError::SocketDenied { .. } => AccessDenied::new_err(err.to_string()),
         ClientError::Daemon { kind, message } => match kind {
             ErrorKind::Dataset | ErrorKind::NotFound => DatasetError::new_err(message),
             ErrorKind::Limit | ErrorKind::RingExhausted => LimitError::new_err(message),
@@ -186,6 +187,12 @@ impl NativeStream {
     #[pyo3(signature = (epoch, step, timeout=None))]
     fn set_epoch(&self, py: Python<'_>, epoch: u64, step: u64, timeout: Option<f64>) -> PyResult<()> {
         wait(py, timeout, |interrupted| self.stream.set_epoch_interruptible(epoch, step, interrupted))
+    }
+
+    /// `(epoch, step)` of the next batch the stream will deliver (past every
+    /// batch delivered or failed, including ones whose wait timed out).
+    fn position(&self) -> (u64, u64) {
+        self.stream.position()
     }
 
     /// The next batch as a dict of read-only arrays, or `None` at the end of the epoch.

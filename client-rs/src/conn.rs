@@ -21,6 +21,8 @@ use crate::{ClientError, INTERRUPT_POLL, Result};
 #[derive(Debug)]
 pub(crate) struct Conn {
     owner_pid: u32,
+    /// Per stream, `(epoch, step)` of the next batch it will deliver.
+    positions: Mutex<std::collections::HashMap<u64, (u64, u64)>>,
     reader: Mutex<Reader>,
     writer: Mutex<UnixStream>,
 }
@@ -40,6 +42,7 @@ impl Conn {
         let writer = sock.try_clone()?;
         Ok(Conn {
             owner_pid: std::process::id(),
+            positions: Mutex::new(std::collections::HashMap::new()),
             reader: Mutex::new(Reader { sock, buf: Vec::new(), fds: VecDeque::new(), owed: 0 }),
             writer: Mutex::new(writer),
         })
@@ -51,6 +54,25 @@ impl Conn {
             return Err(ClientError::Forked { owner: self.owner_pid, current });
         }
         Ok(())
+    }
+
+    pub(crate) fn set_position(&self, stream: u64, epoch: u64, step: u64) {
+        self.positions.lock().unwrap_or_else(|e| e.into_inner()).insert(stream, (epoch, step));
+    }
+
+    pub(crate) fn position(&self, stream: u64) -> (u64, u64) {
+        self.positions.lock().unwrap_or_else(|e| e.into_inner()).get(&stream).copied().unwrap_or((0, 0))
+    }
+
+    /// Advances a stream's position past a batch the daemon delivered or failed.
+    fn note(&self, resp: &Response) {
+        let (stream, epoch, next) = match resp {
+            Response::Batch(b) => (b.stream, b.epoch, b.step.saturating_add(1)),
+            Response::BatchFailed { stream, epoch, step, .. } => (*stream, *epoch, step.saturating_add(1)),
+            Response::EndOfEpoch { stream, epoch } => (*stream, epoch.saturating_add(1), 0),
+            _ => return,
+        };
+        self.set_position(stream, epoch, next);
     }
 
     /// Sends a message that gets no reply.
@@ -95,6 +117,7 @@ impl Conn {
             let stale = reader.read_frame(interrupted)?;
             reader.owed -= 1;
             reader.fds.clear();
+            self.note(&stale);
             if let Response::Batch(b) = stale {
                 self.send(&Request::Release { stream: b.stream, slot: b.slot })?;
             }
@@ -102,6 +125,7 @@ impl Conn {
         self.send(req)?;
         match reader.read_frame(interrupted) {
             Ok(resp) => {
+                self.note(&resp);
                 let fd = reader.fds.pop_front();
                 reader.fds.clear();
                 Ok((resp, fd))

@@ -41,6 +41,17 @@ pub enum ClientError {
         source: std::io::Error,
     },
     /// The daemon answered with an error.
+    /// The socket exists but this user may not connect to it.
+    #[error(
+        "permission denied on the stoker socket {path} ({detail}): ask the admin to add you to the socket's group \
+         or to [server] allowed_uids, or run your own daemon (`stoker serve --socket ...`)"
+    )]
+    SocketDenied {
+        /// The socket path.
+        path: PathBuf,
+        /// Its mode and owner, as far as they can be read.
+        detail: String,
+    },
     #[error("{message}")]
     Daemon {
         /// Category.
@@ -95,12 +106,18 @@ impl Client {
     /// (a socket whose daemon accepts but never answers would otherwise block forever).
     pub fn connect_interruptible(path: impl AsRef<Path>, interrupted: &mut dyn FnMut() -> bool) -> Result<Client> {
         let path = path.as_ref();
-        let sock =
-            UnixStream::connect(path).map_err(|source| ClientError::Unavailable { path: path.to_owned(), source })?;
+        let sock = UnixStream::connect(path).map_err(|source| {
+            if source.kind() == std::io::ErrorKind::PermissionDenied {
+                ClientError::SocketDenied { path: path.to_owned(), detail: socket_owner(path) }
+            } else {
+                ClientError::Unavailable { path: path.to_owned(), source }
+            }
+        })?;
         let conn = Arc::new(Conn::new(sock)?);
         let hello = Request::Hello {
             version: stoker_proto::PROTOCOL_VERSION,
             client: format!("stoker-client {}", env!("CARGO_PKG_VERSION")),
+            job: std::env::var("SLURM_JOB_ID").ok().filter(|j| !j.is_empty()),
         };
         match conn.request(&hello, interrupted)? {
             Response::Hello { .. } => Ok(Client { conn }),
@@ -122,6 +139,7 @@ impl Client {
 
     /// Like [`Client::open_stream`], with an interrupt check as in [`Stream::next_interruptible`].
     pub fn open_stream_interruptible(&self, open: OpenStream, interrupted: &mut dyn FnMut() -> bool) -> Result<Stream> {
+        let (epoch, step) = (open.epoch, open.step);
         let (resp, fd) = self.conn.request_with_fd(&Request::OpenStream(open), interrupted)?;
         let info = match resp {
             Response::StreamOpened(info) => info,
@@ -130,6 +148,7 @@ impl Client {
         let fd =
             fd.ok_or_else(|| ClientError::Protocol("the daemon opened a stream but sent no shared-memory fd".into()))?;
         let mapping = Mapping::new(fd, &info.layout, info.depth)?;
+        self.conn.set_position(info.stream, epoch, step);
         Ok(Stream { conn: self.conn.clone(), info, mapping: Arc::new(mapping) })
     }
 
@@ -150,9 +169,21 @@ impl Client {
     }
 }
 
+/// `mode 0600, owner uid 0, group 0` for a socket file, for messages.
+fn socket_owner(path: &Path) -> String {
+    use std::os::unix::fs::MetadataExt;
+    match std::fs::metadata(path) {
+        Ok(m) => format!("mode {:04o}, owner uid {}, group {}", m.mode() & 0o7777, m.uid(), m.gid()),
+        Err(e) => e.to_string(),
+    }
+}
+
 fn unexpected(resp: &Response) -> ClientError {
     match resp {
         Response::Error { kind, message } => ClientError::Daemon { kind: *kind, message: message.clone() },
+        Response::BatchFailed { message, .. } => {
+            ClientError::Daemon { kind: ErrorKind::Dataset, message: message.clone() }
+        }
         other => ClientError::Protocol(format!("unexpected reply {other:?}")),
     }
 }
@@ -185,9 +216,19 @@ impl Stream {
     pub fn set_epoch_interruptible(&self, epoch: u64, step: u64, interrupted: &mut dyn FnMut() -> bool) -> Result<()> {
         let req = Request::SetEpoch { stream: self.info.stream, epoch, step };
         match self.conn.request(&req, interrupted)? {
-            Response::Done => Ok(()),
+            Response::Done => {
+                self.conn.set_position(self.info.stream, epoch, step);
+                Ok(())
+            }
             other => Err(unexpected(&other)),
         }
+    }
+
+    /// `(epoch, step)` of the next batch this stream will deliver, counting
+    /// every batch the daemon handed out or failed, including replies that
+    /// arrived after their wait was cut short (a timeout, Ctrl-C).
+    pub fn position(&self) -> (u64, u64) {
+        self.conn.position(self.info.stream)
     }
 
     /// Waits for the next batch; `None` at the end of the epoch.

@@ -158,34 +158,123 @@ fn serve(config: Option<&Path>, socket: Option<PathBuf>, log_level: Option<Strin
         .init();
 
     let (cfg, path) = match config {
-        Some(p) => (Config::load(p)?, p.to_owned()),
-        None => (Config::default(), PathBuf::from("<defaults>")),
+        Some(p) => (Config::load(p)?, Some(p.to_owned())),
+        None => (Config::default(), None),
     };
-    let mut settings: Settings = cfg.validate(&path)?;
-    if let Some(s) = socket {
-        settings.socket = s;
-    }
+    let load = move |cfg: Config| -> anyhow::Result<Settings> {
+        let shown = path.clone().unwrap_or_else(|| PathBuf::from("<defaults>"));
+        let mut settings: Settings = cfg.validate(&shown)?;
+        if let Some(s) = &socket {
+            settings.socket = s.clone();
+        }
+        Ok(settings)
+    };
+    let reload_path = config.map(Path::to_owned);
+    let settings = load(cfg)?;
+    raise_nofile_limit();
     let socket = settings.socket.clone();
     let runtime =
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("stoker-io").enable_all().build()?;
-    runtime.block_on(async {
-        let listener = crate::server::bind(&socket)?;
+    let result = runtime.block_on(async {
+        let listener = crate::server::bind(&socket, &settings)?;
         let daemon = crate::server::Daemon::new(settings)?;
+        notify(&[NotifyState::Ready, NotifyState::Status("listening")]);
+        tokio::spawn(watchdog());
+        let reloader = daemon.clone();
+        tokio::spawn(reload_on_hup(move || {
+            let cfg = match &reload_path {
+                Some(p) => Config::load(p)?,
+                None => Config::default(),
+            };
+            let settings = load(cfg)?;
+            Ok(reloader.reload(settings))
+        }));
         crate::server::run(daemon, listener, socket, shutdown_signal()).await
-    })?;
+    });
+    notify(&[NotifyState::Status("stopped")]);
+    // Opens stuck in the kernel (a hung network filesystem) hold blocking-pool
+    // threads; they must not keep a stopping daemon alive.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    result?;
+    tracing::info!("stopped");
     Ok(ExitCode::SUCCESS)
 }
 
-async fn shutdown_signal() {
+use sd_notify::NotifyState;
+
+/// Tells systemd (when `$NOTIFY_SOCKET` is set) how the daemon is doing.
+fn notify(state: &[NotifyState<'_>]) {
+    if let Err(e) = sd_notify::notify(false, state) {
+        tracing::debug!(error = %e, "sd_notify failed");
+    }
+}
+
+/// Pings systemd's watchdog at half its interval while the control loop runs
+/// (the pings come from a task on the same runtime that serves clients).
+async fn watchdog() {
+    let mut usec = 0;
+    if !sd_notify::watchdog_enabled(false, &mut usec) || usec == 0 {
+        return;
+    }
+    let mut tick = tokio::time::interval(std::time::Duration::from_micros(usec / 2));
+    loop {
+        tick.tick().await;
+        notify(&[NotifyState::Watchdog]);
+    }
+}
+
+/// Reloads the config on every SIGHUP; a config that does not validate is
+/// logged and the running one kept.
+async fn reload_on_hup(reload: impl Fn() -> anyhow::Result<Vec<String>>) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        tracing::error!("cannot install the SIGHUP handler; config reloads need a restart");
+        return;
+    };
+    while hup.recv().await.is_some() {
+        let mut states = vec![NotifyState::Reloading];
+        if let Ok(now) = NotifyState::monotonic_usec_now() {
+            states.push(now);
+        }
+        notify(&states);
+        match reload() {
+            Ok(changes) if changes.is_empty() => tracing::info!("SIGHUP: config reloaded, nothing changed"),
+            Ok(changes) => tracing::info!(changes = %changes.join("; "), "SIGHUP: config reloaded"),
+            Err(e) => tracing::error!("SIGHUP: keeping the running config, the new one is invalid: {e:#}"),
+        }
+        notify(&[NotifyState::Ready, NotifyState::Status("listening")]);
+    }
+}
+
+/// Raises the soft limit on open files to the hard limit: every dataset file,
+/// connection and ring is a descriptor, and the usual soft limit of 1024 is
+/// far below what a node-wide daemon needs.
+fn raise_nofile_limit() {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut limit = getrlimit(Resource::Nofile);
+    if limit.current < limit.maximum {
+        let before = limit.current;
+        limit.current = limit.maximum;
+        match setrlimit(Resource::Nofile, limit) {
+            Ok(()) => tracing::debug!(from = ?before, to = ?limit.current, "raised the open-files limit"),
+            Err(e) => tracing::warn!(error = %e, "cannot raise the open-files limit"),
+        }
+    }
+}
+
+async fn shutdown_signal() -> crate::server::Shutdown {
+    use crate::server::Shutdown;
     use tokio::signal::unix::{SignalKind, signal};
     let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
         tracing::error!("cannot install signal handlers; stop the daemon with SIGKILL");
         return std::future::pending().await;
     };
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM"),
-        _ = int.recv() => tracing::info!("SIGINT"),
-    }
+    let how = tokio::select! {
+        _ = term.recv() => { tracing::info!("SIGTERM: draining"); Shutdown::Drain }
+        _ = int.recv() => { tracing::info!("SIGINT: stopping"); Shutdown::Quick }
+    };
+    notify(&[NotifyState::Stopping, NotifyState::Status("stopping")]);
+    how
 }
 
 /// The human-readable `stoker status` table.
@@ -236,11 +325,7 @@ pub fn format_status(r: &StatusReport) -> String {
             "id", "pid", "dataset", "rank", "epoch", "step", "batch/s", "MB/s", "wait s", "ring f/l/d"
         );
         for s in &r.streams {
-            let dataset = if s.dataset.len() > 24 {
-                format!("…{}", &s.dataset[s.dataset.len() - 23..])
-            } else {
-                s.dataset.clone()
-            };
+            let dataset = shorten(&s.dataset, 24);
             let _ = writeln!(
                 out,
                 "  {:>4} {:>8} {:<24} {:>5} {:>5} {:>11} {:>9.1} {:>9.1} {:>8.2} {:>11}",
@@ -260,11 +345,35 @@ pub fn format_status(r: &StatusReport) -> String {
     out
 }
 
+/// `text` cut to its last `width - 1` characters behind an ellipsis when longer than `width`.
+fn shorten(text: &str, width: usize) -> String {
+    let chars = text.chars().count();
+    if chars <= width {
+        return text.to_string();
+    }
+    let tail: String = text.chars().skip(chars - (width - 1)).collect();
+    format!("…{tail}")
+}
+
 fn human_duration(secs: f64) -> String {
     let s = secs as u64;
     match s {
         0..60 => format!("{secs:.1}s"),
         60..3600 => format!("{}m{:02}s", s / 60, s % 60),
         _ => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shorten_cuts_at_characters_not_bytes() {
+        assert_eq!(shorten("short", 24), "short");
+        let long = "/données/températures/été/ß/日本語のデータ/ファイル.h5";
+        let cut = shorten(long, 24);
+        assert_eq!(cut.chars().count(), 24);
+        assert!(cut.starts_with('…') && long.ends_with(&cut['…'.len_utf8()..]), "{cut}");
     }
 }

@@ -66,6 +66,17 @@ pub struct ServerConfig {
     /// Directories under which clients may open ad-hoc datasets
     /// (`stoker.hdf5(...)`); empty means only named datasets are served.
     pub allowed_roots: Vec<PathBuf>,
+    /// Gids (primary or supplementary) whose members are served.
+    pub allowed_gids: Vec<u32>,
+    /// Socket file mode as an octal string (`"0660"`). Unset: `0660` with a
+    /// `socket_group`, `0666` when `allowed_uids`/`allowed_gids` name others, else `0600`.
+    pub socket_mode: Option<String>,
+    /// Group owning the socket file (name from /etc/group, or a number).
+    pub socket_group: Option<String>,
+    /// Seconds a client may take to send the rest of a message it started.
+    pub frame_timeout_s: f64,
+    /// Seconds SIGTERM waits for connections to hear `ShuttingDown` and close.
+    pub shutdown_grace_s: f64,
 }
 
 impl Default for ServerConfig {
@@ -74,6 +85,11 @@ impl Default for ServerConfig {
             socket: PathBuf::from(stoker_proto::DEFAULT_SOCKET),
             allowed_uids: Vec::new(),
             allowed_roots: Vec::new(),
+            allowed_gids: Vec::new(),
+            socket_mode: None,
+            socket_group: None,
+            frame_timeout_s: 10.0,
+            shutdown_grace_s: 5.0,
         }
     }
 }
@@ -112,6 +128,10 @@ pub struct LimitsConfig {
     pub max_ring_bytes_per_client: u64,
     /// Streams one client connection may hold open.
     pub max_streams_per_client: usize,
+    /// Connections served at once, from everyone.
+    pub max_connections: usize,
+    /// Connections one uid may hold at once (root and the daemon's uid are not capped).
+    pub max_connections_per_uid: usize,
 }
 
 impl Default for LimitsConfig {
@@ -121,6 +141,8 @@ impl Default for LimitsConfig {
             max_batch_size: 1 << 16,
             max_ring_bytes_per_client: 8 << 30,
             max_streams_per_client: 16,
+            max_connections: 1024,
+            max_connections_per_uid: 128,
         }
     }
 }
@@ -204,6 +226,16 @@ pub struct Settings {
     pub allowed_uids: Vec<u32>,
     /// Canonical roots for ad-hoc datasets.
     pub allowed_roots: Vec<PathBuf>,
+    /// Gids served (primary or supplementary).
+    pub allowed_gids: Vec<u32>,
+    /// Mode the socket file gets.
+    pub socket_mode: u32,
+    /// Group the socket file gets, if any.
+    pub socket_gid: Option<u32>,
+    /// Deadline for the rest of a started message.
+    pub frame_timeout: std::time::Duration,
+    /// How long SIGTERM lets connections drain.
+    pub shutdown_grace: std::time::Duration,
     /// Worker threads (resolved, ≥ 1).
     pub worker_threads: usize,
     /// Slots per ring.
@@ -305,6 +337,37 @@ impl Config {
             // A root that does not exist yet cannot hold files either; keep it as written.
             allowed_roots.push(root.canonicalize().unwrap_or_else(|_| root.clone()));
         }
+        let socket_gid = match &self.server.socket_group {
+            None => None,
+            Some(g) => Some(resolve_group(g).ok_or_else(|| {
+                invalid(format!("[server] socket_group = {g:?} is neither a number nor a group in /etc/group"))
+            })?),
+        };
+        let socket_mode = match &self.server.socket_mode {
+            Some(m) => match u32::from_str_radix(m.trim_start_matches("0o"), 8) {
+                Ok(mode) if mode <= 0o777 => mode,
+                _ => {
+                    return Err(invalid(format!(
+                        "[server] socket_mode = {m:?} must be octal permissions like \"0660\""
+                    )));
+                }
+            },
+            None if socket_gid.is_some() => 0o660,
+            None if !self.server.allowed_uids.is_empty() || !self.server.allowed_gids.is_empty() => 0o666,
+            None => 0o600,
+        };
+        let seconds = |key: &str, s: f64| {
+            if s.is_finite() && s > 0.0 && s <= 3600.0 {
+                Ok(std::time::Duration::from_secs_f64(s))
+            } else {
+                Err(invalid(format!("[server] {key} = {s} must be between 0 and 3600 seconds")))
+            }
+        };
+        let frame_timeout = seconds("frame_timeout_s", self.server.frame_timeout_s)?;
+        let shutdown_grace = seconds("shutdown_grace_s", self.server.shutdown_grace_s)?;
+        if self.limits.max_connections == 0 || self.limits.max_connections_per_uid == 0 {
+            return Err(invalid("[limits] max_connections and max_connections_per_uid must be at least 1".into()));
+        }
         let worker_threads = match self.workers.threads {
             0 => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             n => n,
@@ -313,6 +376,11 @@ impl Config {
             socket: self.server.socket,
             allowed_uids: self.server.allowed_uids,
             allowed_roots,
+            allowed_gids: self.server.allowed_gids,
+            socket_mode,
+            socket_gid,
+            frame_timeout,
+            shutdown_grace,
             worker_threads,
             ring_depth: self.ring.depth,
             limits: self.limits,
@@ -321,6 +389,19 @@ impl Config {
             datasets: self.datasets,
         })
     }
+}
+
+/// A group name (looked up in /etc/group; no NSS) or a numeric gid.
+fn resolve_group(group: &str) -> Option<u32> {
+    if let Ok(gid) = group.parse() {
+        return Some(gid);
+    }
+    let text = std::fs::read_to_string("/etc/group").ok()?;
+    text.lines().find_map(|line| {
+        let mut parts = line.split(':');
+        (parts.next()? == group).then_some(())?;
+        parts.nth(1)?.parse().ok()
+    })
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
 use stoker_proto::{DatasetInfo, DatasetRef, ErrorKind, LmdbDataset, TransformDef};
@@ -37,7 +37,8 @@ pub struct Opened {
 /// Every dataset the daemon has opened.
 #[derive(Debug)]
 pub struct Datasets {
-    settings: Settings,
+    /// Replaced as a whole on SIGHUP; sources already open stay as they are.
+    settings: RwLock<Arc<Settings>>,
     chunk_cache: Arc<ChunkCache>,
     /// Keyed by the resolved description, with when each was last opened.
     open: Mutex<HashMap<String, (Opened, Instant)>>,
@@ -51,7 +52,16 @@ enum Resolved {
 impl Datasets {
     /// An empty registry for `settings`.
     pub fn new(settings: Settings, chunk_cache: Arc<ChunkCache>) -> Datasets {
-        Datasets { settings, chunk_cache, open: Mutex::new(HashMap::new()) }
+        Datasets { settings: RwLock::new(Arc::new(settings)), chunk_cache, open: Mutex::new(HashMap::new()) }
+    }
+
+    /// Uses `settings` for datasets opened from now on.
+    pub fn reload(&self, settings: Settings) {
+        *self.settings.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(settings);
+    }
+
+    fn settings(&self) -> Arc<Settings> {
+        self.settings.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Opens (or reuses) the dataset. Blocking: call it off the async threads.
@@ -67,7 +77,9 @@ impl Datasets {
         }
         let source: Arc<dyn Source> = match resolved {
             Resolved::Hdf5(spec) => {
-                Arc::new(Hdf5Source::open(&spec, self.roots(dataset), self.chunk_cache.clone()).map_err(refuse)?)
+                let settings = self.settings();
+                let roots = (!matches!(dataset, DatasetRef::Named(_))).then_some(settings.allowed_roots.as_slice());
+                Arc::new(Hdf5Source::open(&spec, roots, self.chunk_cache.clone()).map_err(refuse)?)
             }
             Resolved::Lmdb(spec) => Arc::new(LmdbSource::open(&spec).map_err(refuse)?),
         };
@@ -85,7 +97,7 @@ impl Datasets {
         let skipped = |name: &str| {
             open.values().filter(|(o, _)| o.label == name).map(|(o, _)| o.source.skipped()).max().unwrap_or(0)
         };
-        self.settings
+        self.settings()
             .datasets
             .iter()
             .map(|(name, ds)| match ds {
@@ -120,17 +132,14 @@ impl Datasets {
         self.open.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn roots(&self, dataset: &DatasetRef) -> Option<&[PathBuf]> {
-        (!matches!(dataset, DatasetRef::Named(_))).then_some(self.settings.allowed_roots.as_slice())
-    }
-
     fn resolve(&self, dataset: &DatasetRef) -> Result<(String, Resolved), Refusal> {
+        let settings = self.settings();
         match dataset {
-            DatasetRef::Named(name) => match self.settings.datasets.get(name) {
+            DatasetRef::Named(name) => match settings.datasets.get(name) {
                 Some(DatasetConfig::Hdf5(ds)) => Ok((name.clone(), Resolved::Hdf5(self.hdf5_named(ds)))),
                 Some(DatasetConfig::Lmdb(ds)) => Ok((name.clone(), Resolved::Lmdb(lmdb_spec(ds, None)?))),
                 None => {
-                    let known: Vec<_> = self.settings.datasets.keys().collect();
+                    let known: Vec<_> = settings.datasets.keys().collect();
                     Err((
                         ErrorKind::NotFound,
                         format!(
@@ -155,20 +164,20 @@ impl Datasets {
                     fields: fields.clone(),
                     window: window.map(|(size, stride)| Window { size, stride }),
                     per_item: per_item.clone(),
-                    fast_path: self.settings.hdf5_fast_path,
+                    fast_path: settings.hdf5_fast_path,
                 };
                 Ok((files.clone(), Resolved::Hdf5(spec)))
             }
             DatasetRef::Lmdb(ds) => {
                 self.check_ad_hoc()?;
                 let label = ds.fields.first().map_or_else(String::new, |f| f.env.clone());
-                Ok((label, Resolved::Lmdb(lmdb_spec(ds, Some(self.settings.allowed_roots.clone()))?)))
+                Ok((label, Resolved::Lmdb(lmdb_spec(ds, Some(settings.allowed_roots.clone()))?)))
             }
         }
     }
 
     fn check_ad_hoc(&self) -> Result<(), Refusal> {
-        if self.settings.allowed_roots.is_empty() {
+        if self.settings().allowed_roots.is_empty() {
             return Err((
                 ErrorKind::PermissionDenied,
                 "this daemon serves only the datasets named in its config ([server] allowed_roots is empty); use a \
@@ -185,7 +194,7 @@ impl Datasets {
             fields: ds.fields.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
             window: ds.window.map(|w| Window { size: w.size, stride: w.stride }),
             per_item: ds.per_item.clone(),
-            fast_path: self.settings.hdf5_fast_path,
+            fast_path: self.settings().hdf5_fast_path,
         }
     }
 }

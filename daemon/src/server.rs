@@ -8,9 +8,10 @@ use std::io::IoSlice;
 use std::mem::MaybeUninit;
 use std::os::fd::BorrowedFd;
 use std::path::{Path, PathBuf};
+use std::sync::RwLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
 use stoker_proto::{
@@ -33,10 +34,25 @@ use crate::stream::{Delivery, Stream, StreamMeta};
 /// An error reply: kind plus a message for the user.
 type Reply<T> = Result<T, (ErrorKind, String)>;
 
+/// How the daemon is asked to stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shutdown {
+    /// SIGTERM: stop accepting, tell every client `ShuttingDown`, give
+    /// connections `[server] shutdown_grace_s` to close, then exit.
+    Drain,
+    /// SIGINT: the same without waiting for connections.
+    Quick,
+}
+
+/// Requests that may queue behind a waiting `Next` on one connection.
+const MAX_BACKLOG: usize = 64;
+/// At most one repeated warning of a kind per this interval per connection.
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
 /// State shared by all connections.
 #[derive(Debug)]
 pub struct Daemon {
-    settings: Settings,
+    settings: RwLock<Arc<Settings>>,
     started: Instant,
     pool: Arc<rayon::ThreadPool>,
     datasets: Datasets,
@@ -44,6 +60,8 @@ pub struct Daemon {
     clients: Mutex<BTreeMap<u64, ClientStatus>>,
     streams: Mutex<BTreeMap<u64, Arc<Stream>>>,
     connected: Mutex<HashMap<u64, Instant>>,
+    /// Open connections: in total, and per uid.
+    admitted: Mutex<(usize, HashMap<u32, usize>)>,
     next_id: AtomicU64,
     own_uid: u32,
 }
@@ -58,7 +76,7 @@ impl Daemon {
         let chunk_cache = Arc::new(ChunkCache::new(settings.chunk_cache_bytes as usize));
         let datasets = Datasets::new(settings.clone(), chunk_cache.clone());
         Ok(Arc::new(Daemon {
-            settings,
+            settings: RwLock::new(Arc::new(settings)),
             started: Instant::now(),
             pool: Arc::new(pool),
             datasets,
@@ -66,33 +84,124 @@ impl Daemon {
             clients: Mutex::new(BTreeMap::new()),
             streams: Mutex::new(BTreeMap::new()),
             connected: Mutex::new(HashMap::new()),
+            admitted: Mutex::new((0, HashMap::new())),
             next_id: AtomicU64::new(1),
             own_uid: rustix::process::getuid().as_raw(),
         }))
+    }
+
+    /// The settings in force (replaced as a whole by [`Daemon::reload`]).
+    pub fn settings(&self) -> Arc<Settings> {
+        self.settings.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Applies a reloaded config: named datasets and limits take effect for
+    /// new streams; open streams keep their sources. The socket path, worker
+    /// threads and cache size need a restart. Returns what changed, for the log.
+    pub fn reload(&self, new: Settings) -> Vec<String> {
+        let old = self.settings();
+        let mut changes = Vec::new();
+        for (name, ds) in &new.datasets {
+            match old.datasets.get(name) {
+                None => changes.push(format!("dataset {name} added")),
+                Some(prev) if format!("{prev:?}") != format!("{ds:?}") => {
+                    changes.push(format!("dataset {name} changed"))
+                }
+                Some(_) => {}
+            }
+        }
+        changes.extend(
+            old.datasets.keys().filter(|n| !new.datasets.contains_key(*n)).map(|n| format!("dataset {n} removed")),
+        );
+        if format!("{:?}", old.limits) != format!("{:?}", new.limits) {
+            changes.push("limits changed".into());
+        }
+        if old.allowed_uids != new.allowed_uids || old.allowed_gids != new.allowed_gids {
+            changes.push("allowed users changed".into());
+        }
+        if old.allowed_roots != new.allowed_roots {
+            changes.push("allowed_roots changed".into());
+        }
+        for (what, differs) in [
+            ("socket", old.socket != new.socket),
+            ("worker threads", old.worker_threads != new.worker_threads),
+            ("chunk cache size", old.chunk_cache_bytes != new.chunk_cache_bytes),
+        ] {
+            if differs {
+                changes.push(format!("{what} changed but needs a restart to take effect"));
+            }
+        }
+        self.datasets.reload(new.clone());
+        *self.settings.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(new);
+        changes
     }
 
     fn id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
-    fn status(&self) -> StatusReport {
-        let streams: Vec<_> = lock(&self.streams).values().map(|s| s.status()).collect();
+    /// Whether the peer may use the daemon: root, the daemon's own uid,
+    /// `allowed_uids`, or a member (primary or supplementary) of `allowed_gids`.
+    fn allows(&self, uid: u32, gid: u32, pid: u32) -> bool {
+        let settings = self.settings();
+        if uid == 0 || uid == self.own_uid || settings.allowed_uids.contains(&uid) {
+            return true;
+        }
+        if settings.allowed_gids.is_empty() {
+            return false;
+        }
+        settings.allowed_gids.contains(&gid) || peer_groups(pid).iter().any(|g| settings.allowed_gids.contains(g))
+    }
+
+    /// Counts a new connection against `[limits] max_connections` and
+    /// `max_connections_per_uid`; `None` when either is reached.
+    fn admit(self: &Arc<Self>, uid: u32) -> Result<Admission, String> {
+        let limits = &self.settings().limits;
+        let mut admitted = lock(&self.admitted);
+        let privileged = uid == 0 || uid == self.own_uid;
+        let of_uid = admitted.1.get(&uid).copied().unwrap_or(0);
+        if admitted.0 >= limits.max_connections {
+            return Err(format!(
+                "the daemon already serves {} connections ([limits] max_connections); try again later",
+                admitted.0
+            ));
+        }
+        if !privileged && of_uid >= limits.max_connections_per_uid {
+            return Err(format!(
+                "uid {uid} already holds {of_uid} connections ([limits] max_connections_per_uid); close some \
+                 Loaders (each holds one connection)"
+            ));
+        }
+        admitted.0 += 1;
+        *admitted.1.entry(uid).or_default() += 1;
+        Ok(Admission { daemon: self.clone(), uid })
+    }
+
+    /// The status report as `viewer` may see it: root and the daemon's uid see
+    /// everything, other users only their own clients and streams.
+    fn status(&self, viewer: u32) -> StatusReport {
+        let all = viewer == 0 || viewer == self.own_uid;
+        let visible: HashMap<u64, u32> =
+            lock(&self.clients).values().filter(|c| all || c.uid == viewer).map(|c| (c.id, c.uid)).collect();
+        let streams: Vec<_> =
+            lock(&self.streams).values().map(|s| s.status()).filter(|s| visible.contains_key(&s.client_id)).collect();
         let connected = lock(&self.connected).clone();
         let clients = lock(&self.clients)
             .values()
+            .filter(|c| visible.contains_key(&c.id))
             .map(|c| ClientStatus {
                 streams: streams.iter().filter(|s| s.client_id == c.id).count() as u64,
                 connected_s: connected.get(&c.id).map_or(0.0, |t| t.elapsed().as_secs_f64()),
                 ..c.clone()
             })
             .collect();
+        let visible_datasets: std::collections::HashSet<&str> = streams.iter().map(|s| s.dataset.as_str()).collect();
         StatusReport {
             version: env!("CARGO_PKG_VERSION").to_string(),
             pid: std::process::id(),
             uptime_s: self.started.elapsed().as_secs_f64(),
             worker_threads: self.pool.current_num_threads() as u64,
             clients,
-            streams,
             chunk_cache: {
                 let s = self.chunk_cache.stats();
                 CacheStatus { bytes: s.bytes, capacity: s.capacity, entries: s.entries, hits: s.hits, misses: s.misses }
@@ -101,8 +210,10 @@ impl Daemon {
                 .datasets
                 .skips()
                 .into_iter()
+                .filter(|(dataset, _)| all || visible_datasets.contains(dataset.as_str()))
                 .map(|(dataset, skipped)| DatasetSkips { dataset, skipped })
                 .collect(),
+            streams,
         }
     }
 
@@ -111,14 +222,69 @@ impl Daemon {
     }
 }
 
+/// One admitted connection; dropping it frees its place.
+#[derive(Debug)]
+struct Admission {
+    daemon: Arc<Daemon>,
+    uid: u32,
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        let mut admitted = lock(&self.daemon.admitted);
+        admitted.0 = admitted.0.saturating_sub(1);
+        if let Some(n) = admitted.1.get_mut(&self.uid) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                admitted.1.remove(&self.uid);
+            }
+        }
+    }
+}
+
+/// Supplementary groups of process `pid` (from `/proc/PID/status`).
+fn peer_groups(pid: u32) -> Vec<u32> {
+    if pid == 0 {
+        return Vec::new();
+    }
+    let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return Vec::new();
+    };
+    text.lines()
+        .find_map(|l| l.strip_prefix("Groups:"))
+        .map(|g| g.split_whitespace().filter_map(|n| n.parse().ok()).collect())
+        .unwrap_or_default()
+}
+
+/// Lets a repeated warning through at most once per [`WARN_EVERY`], counting the rest.
+#[derive(Debug, Default)]
+struct Throttle {
+    last: Option<Instant>,
+    suppressed: u64,
+}
+
+impl Throttle {
+    /// `Some(n)` when a warning may be logged now (`n` were suppressed since the last one).
+    fn allow(&mut self) -> Option<u64> {
+        if self.last.is_some_and(|t| t.elapsed() < WARN_EVERY) {
+            self.suppressed += 1;
+            return None;
+        }
+        self.last = Some(Instant::now());
+        Some(std::mem::take(&mut self.suppressed))
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Binds the daemon's socket at `path`, replacing a stale socket file but
-/// refusing to steal one a live daemon listens on.
-pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
+/// refusing to steal one a live daemon listens on, and gives it the
+/// configured mode and group.
+pub fn bind(path: &Path, settings: &Settings) -> anyhow::Result<UnixListener> {
     use anyhow::Context;
+    use std::os::unix::fs::PermissionsExt;
     if path.exists() {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
             anyhow::bail!(
@@ -131,75 +297,172 @@ pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create socket directory {}", dir.display()))?;
     }
-    UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))
+    let listener = UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))?;
+    if let Some(gid) = settings.socket_gid {
+        std::os::unix::fs::chown(path, None, Some(gid))
+            .with_context(|| format!("cannot give socket {} to group {gid} ([server] socket_group)", path.display()))?;
+    }
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(settings.socket_mode))
+        .with_context(|| format!("cannot set mode {:o} on socket {}", settings.socket_mode, path.display()))?;
+    Ok(listener)
 }
 
-/// Serves clients on `listener` until `shutdown` resolves, then closes every
-/// connection and removes the socket file at `socket`.
+/// Serves clients on `listener` until `shutdown` resolves, then stops
+/// accepting, removes the socket file at `socket`, tells every connection
+/// [`ErrorKind::ShuttingDown`] and (for [`Shutdown::Drain`]) waits up to
+/// `[server] shutdown_grace_s` for them to close.
 pub async fn run(
     daemon: Arc<Daemon>,
     listener: UnixListener,
     socket: PathBuf,
-    shutdown: impl std::future::Future<Output = ()>,
+    shutdown: impl std::future::Future<Output = Shutdown>,
 ) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = watch::channel(false);
+    let mut connections = tokio::task::JoinSet::new();
     tokio::pin!(shutdown);
-    tracing::info!(socket = %socket.display(), workers = daemon.settings.worker_threads, "listening");
-    loop {
+    tracing::info!(socket = %socket.display(), workers = daemon.settings().worker_threads, "listening");
+    let mut accept_errors = Throttle::default();
+    let mut backoff = Duration::ZERO;
+    let how = loop {
         tokio::select! {
-            accepted = listener.accept() => match accepted {
+            accepted = listener.accept(), if backoff.is_zero() => match accepted {
                 Ok((sock, _)) => {
                     let id = daemon.id();
                     let span = tracing::info_span!("client", id);
-                    tokio::spawn(serve_connection(daemon.clone(), sock, id, stop_rx.clone()).instrument(span));
+                    connections.spawn(serve_connection(daemon.clone(), sock, id, stop_rx.clone()).instrument(span));
                 }
-                Err(e) => tracing::warn!(error = %e, "accept failed"),
+                Err(e) => {
+                    // Out of descriptors (EMFILE/ENFILE) or memory: accepting again
+                    // at once would spin; back off, and say so once in a while.
+                    backoff = Duration::from_millis(10);
+                    if let Some(suppressed) = accept_errors.allow() {
+                        tracing::warn!(error = %e, suppressed, open = connections.len(), "accept failed; backing off");
+                    }
+                }
             },
-            () = &mut shutdown => break,
+            () = tokio::time::sleep(backoff), if !backoff.is_zero() => {
+                // Probe with one accept; a further failure doubles the wait (up to 1 s).
+                match listener.accept().await {
+                    Ok((sock, _)) => {
+                        backoff = Duration::ZERO;
+                        let id = daemon.id();
+                        let span = tracing::info_span!("client", id);
+                        connections.spawn(serve_connection(daemon.clone(), sock, id, stop_rx.clone()).instrument(span));
+                    }
+                    Err(e) => {
+                        backoff = (backoff * 2).min(Duration::from_secs(1));
+                        if let Some(suppressed) = accept_errors.allow() {
+                            tracing::warn!(error = %e, suppressed, "accept still failing; backing off");
+                        }
+                    }
+                }
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            how = &mut shutdown => break how,
         }
-    }
-    tracing::info!("shutting down");
-    let _ = stop_tx.send(true);
+    };
+    tracing::info!(?how, connections = connections.len(), "shutting down");
     drop(listener);
     let _ = std::fs::remove_file(&socket);
+    let _ = stop_tx.send(true);
+    let grace = match how {
+        Shutdown::Drain => daemon.settings().shutdown_grace,
+        Shutdown::Quick => Duration::from_millis(200),
+    };
+    let drained = tokio::time::timeout(grace, async { while connections.join_next().await.is_some() {} }).await;
+    if drained.is_err() {
+        tracing::warn!(left = connections.len(), "connections still open after the grace period; closing them");
+        connections.abort_all();
+    }
     Ok(())
+}
+
+/// Answers a connection that will not be served with one error, after
+/// reading its first message (so the reply is not lost to a reset), then closes it.
+async fn refuse(mut sock: UnixStream, kind: ErrorKind, message: String, wait: Duration) {
+    let mut first = [0u8; 4096];
+    let _ = tokio::time::timeout(wait, sock.read(&mut first)).await;
+    if let Ok(frame) = stoker_proto::encode_frame(&Response::Error { kind, message }) {
+        let _ = tokio::time::timeout(wait, sock.write_all(&frame)).await;
+    }
+    let _ = sock.shutdown().await;
 }
 
 /// One client connection.
 struct Connection {
     daemon: Arc<Daemon>,
     id: u64,
+    uid: u32,
     pid: u32,
+    job: Option<String>,
     writer: OwnedWriteHalf,
     streams: HashMap<u64, Arc<Stream>>,
     greeted: bool,
+    bad_releases: Throttle,
+}
+
+/// What a connection waits for besides its next request.
+enum State {
+    /// Nothing: requests are handled as they come.
+    Idle,
+    /// A `Next` on this stream waits for its batch. Replies leave in request
+    /// order, so other requests queue behind it; `Release` (no reply) does not.
+    Next(Arc<Stream>),
+}
+
+/// What handling one request did.
+enum Handled {
+    /// Replied (or the request takes no reply).
+    Done,
+    /// A `Next` whose reply comes when the stream delivers.
+    Wait(Arc<Stream>),
 }
 
 async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: u64, mut stop: watch::Receiver<bool>) {
-    let (uid, pid) = match sock.peer_cred() {
-        Ok(cred) => (cred.uid(), cred.pid().unwrap_or(0) as u32),
+    let settings = daemon.settings();
+    let (uid, gid, pid) = match sock.peer_cred() {
+        Ok(cred) => (cred.uid(), cred.gid(), cred.pid().unwrap_or(0) as u32),
         Err(e) => {
             tracing::warn!(error = %e, "cannot read peer credentials; closing");
             return;
         }
     };
-    let (reader, writer) = sock.into_split();
-    let mut conn = Connection { daemon: daemon.clone(), id, pid, writer, streams: HashMap::new(), greeted: false };
-    let allowed = uid == 0 || uid == daemon.own_uid || daemon.settings.allowed_uids.contains(&uid);
-    if !allowed {
+    if !daemon.allows(uid, gid, pid) {
         tracing::warn!(uid, pid, "refused: uid not allowed");
-        let msg = format!("uid {uid} is not allowed to use this daemon; the admin can add it to [server] allowed_uids");
-        let _ = conn.send(&Response::Error { kind: ErrorKind::PermissionDenied, message: msg }).await;
+        let msg = format!(
+            "uid {uid} is not allowed to use this daemon; the admin can add it to [server] allowed_uids \
+             (or its group to allowed_gids)"
+        );
+        refuse(sock, ErrorKind::PermissionDenied, msg, settings.frame_timeout).await;
         return;
     }
-    tracing::debug!(uid, pid, "connected");
+    let _admission = match daemon.admit(uid) {
+        Ok(a) => a,
+        Err(msg) => {
+            tracing::warn!(uid, pid, "refused: {msg}");
+            refuse(sock, ErrorKind::Limit, msg, settings.frame_timeout).await;
+            return;
+        }
+    };
+    let (reader, writer) = sock.into_split();
+    let mut conn = Connection {
+        daemon: daemon.clone(),
+        id,
+        uid,
+        pid,
+        job: None,
+        writer,
+        streams: HashMap::new(),
+        greeted: false,
+        bad_releases: Throttle::default(),
+    };
     lock(&daemon.clients).insert(id, ClientStatus { id, pid, uid, streams: 0, connected_s: 0.0 });
     lock(&daemon.connected).insert(id, Instant::now());
 
-    let (tx, mut frames) = mpsc::channel(64);
-    let limit = daemon.settings.limits.max_message_bytes;
-    let read_task = tokio::spawn(read_frames(reader, tx, limit));
-    let mut pending: Option<Arc<Stream>> = None;
+    let (tx, mut frames) = mpsc::channel(MAX_BACKLOG);
+    let read_task = tokio::spawn(read_frames(reader, tx, settings.limits.max_message_bytes, settings.frame_timeout));
+    drop(settings);
+    let mut state = State::Idle;
     let mut backlog: VecDeque<Request> = VecDeque::new();
     loop {
         tokio::select! {
@@ -210,42 +473,67 @@ async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: u64, mut st
                     break;
                 }
                 Some(Ok(req)) => {
-                    // Replies go out in request order: while a `Next` waits,
-                    // only one-way releases are handled; the rest queue up.
-                    if pending.is_some() && !matches!(req, Request::Release { .. }) {
+                    if matches!(state, State::Next(_)) && !matches!(req, Request::Release { .. }) {
+                        if backlog.len() >= MAX_BACKLOG {
+                            let message = format!(
+                                "more than {MAX_BACKLOG} requests sent while a Next waits; a client sends one \
+                                 request at a time"
+                            );
+                            let _ = conn.send(&Response::Error { kind: ErrorKind::Protocol, message }).await;
+                            break;
+                        }
                         backlog.push_back(req);
                         continue;
                     }
                     match conn.handle(req).await {
-                        Ok(next) => pending = next,
+                        Ok(Handled::Done) => {}
+                        Ok(Handled::Wait(stream)) => state = State::Next(stream),
                         Err(()) => break,
                     }
                 }
             },
-            delivery = wait_next(pending.clone()), if pending.is_some() => {
-                let stream = pending.take().map_or(0, |s| s.meta().id);
-                if conn.deliver(stream, delivery).await.is_err() {
+            delivery = wait_next(match &state { State::Next(s) => Some(s.clone()), State::Idle => None }) => {
+                let State::Next(stream) = std::mem::replace(&mut state, State::Idle) else { break };
+                if conn.deliver(stream.meta().id, delivery).await.is_err() {
                     break;
                 }
-                while pending.is_none() {
+                let mut failed = false;
+                while matches!(state, State::Idle) {
                     let Some(req) = backlog.pop_front() else { break };
                     match conn.handle(req).await {
-                        Ok(next) => pending = next,
-                        Err(()) => break,
+                        Ok(Handled::Done) => {}
+                        Ok(Handled::Wait(stream)) => state = State::Next(stream),
+                        Err(()) => { failed = true; break }
                     }
                 }
+                if failed {
+                    break;
+                }
             },
-            _ = stop.changed() => break,
+            _ = stop.changed() => {
+                // Every request still owed a reply hears why, so clients
+                // reconnect to the next daemon at once instead of timing out.
+                let owed = usize::from(matches!(state, State::Next(_)))
+                    + backlog.iter().filter(|r| !matches!(r, Request::Release { .. })).count();
+                for _ in 0..owed {
+                    let message = "the stoker daemon is shutting down; reconnect to its successor".to_string();
+                    if conn.send(&Response::Error { kind: ErrorKind::ShuttingDown, message }).await.is_err() {
+                        break;
+                    }
+                }
+                break;
+            }
         }
     }
     read_task.abort();
     for (_, stream) in conn.streams.drain() {
         stream.close();
         lock(&daemon.streams).remove(&stream.meta().id);
+        tracing::info!(stream = stream.meta().id, dataset = %stream.meta().dataset, uid, pid, "stream closed (connection ended)");
     }
     lock(&daemon.clients).remove(&id);
     lock(&daemon.connected).remove(&id);
-    tracing::debug!("disconnected");
+    tracing::info!(uid, pid, job = conn.job.as_deref().unwrap_or("-"), "disconnected");
 }
 
 async fn wait_next(stream: Option<Arc<Stream>>) -> Delivery {
@@ -255,23 +543,57 @@ async fn wait_next(stream: Option<Arc<Stream>>) -> Delivery {
     }
 }
 
-async fn read_frames(mut reader: OwnedReadHalf, tx: mpsc::Sender<Result<Request, String>>, limit: usize) {
+/// Why reading a frame stopped.
+enum ReadEnd {
+    /// The peer closed the connection (or it broke).
+    Closed,
+    /// The frame is unacceptable; the message says why.
+    Refused(String),
+}
+
+/// Reads frames into `tx`. Waiting for a message to begin is unbounded (an
+/// idle client costs nothing), but a message once begun must arrive whole
+/// within `deadline`, and its buffer grows only as its bytes arrive.
+async fn read_frames(
+    mut reader: OwnedReadHalf,
+    tx: mpsc::Sender<Result<Request, String>>,
+    limit: usize,
+    deadline: Duration,
+) {
     loop {
         let mut header = [0u8; stoker_proto::FRAME_HEADER_BYTES];
-        if reader.read_exact(&mut header).await.is_err() {
-            return;
+        match reader.read(&mut header[..1]).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
         }
-        let len = match stoker_proto::frame_len(header, limit) {
-            Ok(len) => len,
-            Err(e) => {
-                let _ = tx.send(Err(format!("{e} ([limits] max_message_bytes)"))).await;
+        let rest = async {
+            reader.read_exact(&mut header[1..]).await.map_err(|_| ReadEnd::Closed)?;
+            let len = stoker_proto::frame_len(header, limit)
+                .map_err(|e| ReadEnd::Refused(format!("{e} ([limits] max_message_bytes)")))?;
+            let mut body = Vec::new();
+            (&mut reader).take(len as u64).read_to_end(&mut body).await.map_err(|_| ReadEnd::Closed)?;
+            if body.len() < len {
+                return Err(ReadEnd::Closed);
+            }
+            Ok(body)
+        };
+        let body = match tokio::time::timeout(deadline, rest).await {
+            Ok(Ok(body)) => body,
+            Ok(Err(ReadEnd::Closed)) => return,
+            Ok(Err(ReadEnd::Refused(message))) => {
+                let _ = tx.send(Err(message)).await;
+                return;
+            }
+            Err(_) => {
+                let message = format!(
+                    "a message was started but not finished within {:.0} s ([server] frame_timeout_s); closing",
+                    deadline.as_secs_f64()
+                );
+                tracing::warn!("{message}");
+                let _ = tx.send(Err(message)).await;
                 return;
             }
         };
-        let mut body = vec![0u8; len];
-        if reader.read_exact(&mut body).await.is_err() {
-            return;
-        }
         let msg = stoker_proto::decode_body(&body).map_err(|e| format!("{e}; is the client the same stoker version?"));
         let failed = msg.is_err();
         if tx.send(msg).await.is_err() || failed {
@@ -290,15 +612,15 @@ impl Connection {
         self.send(&Response::Error { kind, message }).await.map_err(drop)
     }
 
-    /// Handles one request. `Ok(Some(stream))` means a `Next` now waits on that stream.
-    async fn handle(&mut self, req: Request) -> Result<Option<Arc<Stream>>, ()> {
+    /// Handles one request; `Err` closes the connection.
+    async fn handle(&mut self, req: Request) -> Result<Handled, ()> {
         if !self.greeted && !matches!(req, Request::Hello { .. }) {
             let err = (ErrorKind::Protocol, "the first message must be Hello".to_string());
             let _ = self.send_error(err).await;
             return Err(());
         }
         let reply = match req {
-            Request::Hello { version, client } => {
+            Request::Hello { version, client, job } => {
                 if version != stoker_proto::PROTOCOL_VERSION {
                     let msg = format!(
                         "client speaks protocol {version}, this daemon speaks {}; install matching versions of the \
@@ -308,7 +630,9 @@ impl Connection {
                     let _ = self.send_error((ErrorKind::Version, msg)).await;
                     return Err(());
                 }
-                tracing::debug!(%client, "hello");
+                let job = job.filter(|j| j.len() <= 64 && j.chars().all(|c| c.is_ascii_graphic()));
+                tracing::info!(uid = self.uid, pid = self.pid, job = job.as_deref().unwrap_or("-"), client = %client.escape_debug(), "connected");
+                self.job = job;
                 self.greeted = true;
                 Response::Hello {
                     version: stoker_proto::PROTOCOL_VERSION,
@@ -317,22 +641,26 @@ impl Connection {
             }
             Request::OpenStream(open) => {
                 return match self.open_stream(open).await {
-                    Ok(stream) => self.send_stream(stream).await.map(|()| None).map_err(drop),
-                    Err(e) => self.send_error(e).await.map(|()| None),
+                    Ok(stream) => self.send_stream(stream).await.map(|()| Handled::Done).map_err(drop),
+                    Err(e) => self.send_error(e).await.map(|()| Handled::Done),
                 };
             }
             Request::Next { stream } => match self.streams.get(&stream) {
-                Some(s) => return Ok(Some(s.clone())),
+                Some(s) => return Ok(Handled::Wait(s.clone())),
                 None => no_stream(stream),
             },
             Request::Release { stream, slot } => {
                 match self.streams.get(&stream) {
                     Some(s) if s.release(slot) => {}
-                    Some(_) => tracing::warn!(stream, slot, "release of a slot the client does not hold"),
+                    Some(_) => {
+                        if let Some(suppressed) = self.bad_releases.allow() {
+                            tracing::warn!(stream, slot, suppressed, "release of a slot the client does not hold");
+                        }
+                    }
                     // Arrays that outlive `close()` release their slots late: nothing left to do.
-                    None => tracing::debug!(stream, slot, "release for a closed stream"),
+                    None => tracing::trace!(stream, slot, "release for a closed stream"),
                 }
-                return Ok(None);
+                return Ok(Handled::Done);
             }
             Request::SetEpoch { stream, epoch, step } => match self.streams.get(&stream) {
                 Some(s) => match s.set_epoch(epoch, step) {
@@ -341,25 +669,26 @@ impl Connection {
                 },
                 None => no_stream(stream),
             },
-            Request::Status => Response::Status(self.daemon.status()),
+            Request::Status => Response::Status(self.daemon.status(self.uid)),
             Request::Datasets => Response::Datasets(self.daemon.datasets()),
             Request::Close { stream } => match self.streams.remove(&stream) {
                 Some(s) => {
                     s.close();
                     lock(&self.daemon.streams).remove(&stream);
+                    tracing::info!(stream, dataset = %s.meta().dataset, uid = self.uid, pid = self.pid, "stream closed");
                     Response::Done
                 }
                 None => no_stream(stream),
             },
         };
-        self.send(&reply).await.map(|()| None).map_err(drop)
+        self.send(&reply).await.map(|()| Handled::Done).map_err(drop)
     }
 
     async fn deliver(&mut self, stream: u64, delivery: Delivery) -> Result<(), ()> {
         let resp = match delivery {
             Delivery::Batch(ready) => Response::Batch(ready),
             Delivery::EndOfEpoch(epoch) => Response::EndOfEpoch { stream, epoch },
-            Delivery::Failed(message) => Response::Error { kind: ErrorKind::Dataset, message },
+            Delivery::Failed { epoch, step, message } => Response::BatchFailed { stream, epoch, step, message },
             Delivery::Exhausted(depth) => Response::Error {
                 kind: ErrorKind::RingExhausted,
                 message: format!(
@@ -373,7 +702,8 @@ impl Connection {
     }
 
     async fn open_stream(&mut self, open: OpenStream) -> Reply<Arc<Stream>> {
-        let limits = &self.daemon.settings.limits;
+        let settings = self.daemon.settings();
+        let limits = &settings.limits;
         if open.batch_size == 0 || open.batch_size > limits.max_batch_size {
             return Err((
                 ErrorKind::Limit,
@@ -420,7 +750,7 @@ impl Connection {
             ));
         }
         let layout = BatchLayout::new(open.batch_size, source.fields().iter().map(|f| f.decl()));
-        let depth = self.daemon.settings.ring_depth;
+        let depth = settings.ring_depth;
         let held: u64 = self.streams.values().map(|s| s.ring().bytes()).sum();
         let want = layout.ring_bytes(depth);
         if held + want > limits.max_ring_bytes_per_client {
@@ -447,7 +777,16 @@ impl Connection {
         let stream = Stream::start(meta, source, sampler, ring, self.daemon.pool.clone(), open.epoch, open.step);
         self.streams.insert(id, stream.clone());
         lock(&self.daemon.streams).insert(id, stream.clone());
-        tracing::info!(stream = id, dataset = %stream.meta().dataset, rank = open.rank, world = open.world_size, "stream opened");
+        tracing::info!(
+            stream = id,
+            dataset = %stream.meta().dataset,
+            rank = open.rank,
+            world = open.world_size,
+            uid = self.uid,
+            pid = self.pid,
+            job = self.job.as_deref().unwrap_or("-"),
+            "stream opened"
+        );
         Ok(stream)
     }
 

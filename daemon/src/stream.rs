@@ -87,8 +87,16 @@ pub enum Delivery {
     Batch(BatchReady),
     /// The epoch has no more batches.
     EndOfEpoch(u64),
-    /// The batch could not be produced; the message names file, field and index.
-    Failed(String),
+    /// Batch `step` of `epoch` could not be produced (the stream moves past
+    /// it); the message names file, field and index.
+    Failed {
+        /// Epoch of the failed batch.
+        epoch: u64,
+        /// Its position in the epoch.
+        step: u64,
+        /// What went wrong.
+        message: String,
+    },
     /// The client holds every slot, so nothing can be produced.
     Exhausted(u32),
     /// The stream was closed.
@@ -209,7 +217,7 @@ impl Stream {
         if let Some(message) = error {
             st.slots[slot] = Slot::Free;
             self.fill(&mut st);
-            return Some(Delivery::Failed(message));
+            return Some(Delivery::Failed { epoch, step, message });
         }
         let now = Instant::now();
         st.delivered += 1;

@@ -21,7 +21,7 @@ pub use message::{
 };
 
 /// Version of the wire protocol; bumped on any incompatible change.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Socket path used when neither `--socket`, `$STOKER_SOCKET` nor a config says otherwise.
 pub const DEFAULT_SOCKET: &str = "/run/stoker/stoker.sock";

@@ -16,6 +16,8 @@ pub enum Request {
         version: u32,
         /// Free-form client description for logs (`"stoker-py 0.1.0"`).
         client: String,
+        /// The batch job the client runs in (`$SLURM_JOB_ID`), for the audit log.
+        job: Option<String>,
     },
     /// Opens a stream; the reply carries the ring's memfd as `SCM_RIGHTS`.
     OpenStream(OpenStream),
@@ -216,6 +218,18 @@ pub enum Response {
     StreamOpened(StreamInfo),
     /// A filled slot, now leased to the client until it sends [`Request::Release`].
     Batch(BatchReady),
+    /// Reply to [`Request::Next`] when batch `step` could not be produced: the
+    /// stream moves past it, so the next `Next` gets `step + 1`.
+    BatchFailed {
+        /// Stream id.
+        stream: u64,
+        /// Epoch of the failed batch.
+        epoch: u64,
+        /// Position of the failed batch in the epoch.
+        step: u64,
+        /// What went wrong (file, field, key or index) and what to do.
+        message: String,
+    },
     /// Reply to [`Request::Next`] when the epoch has no more batches.
     EndOfEpoch {
         /// Stream id.

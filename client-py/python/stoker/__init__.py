@@ -438,15 +438,22 @@ class _EpochIterator:
         return self
 
     def __next__(self) -> Batch:
+        loader = self._loader
         try:
-            batch = self._next(self._timeout)
-        except DaemonUnavailable as e:
-            if self._loader.reconnect <= 0:
-                raise
-            self._loader._reconnect(e)
-            self._next = self._loader._stream.next
-            batch = self._next(self._timeout)
+            try:
+                batch = self._next(self._timeout)
+            except DaemonUnavailable as e:
+                if loader.reconnect <= 0:
+                    raise
+                loader._reconnect(e)
+                self._next = loader._stream.next
+                batch = self._next(self._timeout)
+        finally:
+            # The daemon's count, not ours: it also moves past failed batches
+            # and past replies that arrived after a timeout.
+            epoch, step = loader._stream.position()
+            if epoch == loader._epoch:
+                loader._step = step
         if batch is None:
             raise StopIteration
-        self._loader._step += 1
         return batch
