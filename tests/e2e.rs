@@ -196,3 +196,99 @@ fn bad_dataset_names_the_file_and_field_and_the_daemon_keeps_serving() {
     let stream = client.open_stream(open(4, 0, 1, false)).unwrap();
     assert!(stream.next().unwrap().is_some());
 }
+
+/// One request on a raw connection: the reply, or `None` when the daemon closed it.
+fn raw_exchange(sock: &mut std::os::unix::net::UnixStream, frame: &[u8]) -> Option<stoker_client::proto::Response> {
+    use std::io::{Read, Write};
+    sock.write_all(frame).ok()?;
+    let mut header = [0u8; 4];
+    sock.read_exact(&mut header).ok()?;
+    let len = stoker_client::proto::frame_len(header, stoker_client::proto::MAX_FRAME_BYTES).ok()?;
+    let mut body = vec![0u8; len];
+    sock.read_exact(&mut body).ok()?;
+    stoker_client::proto::decode_body(&body).ok()
+}
+
+/// Hostile sizes, positions, windows, ids and bytes, sent to the real daemon:
+/// each gets an answer or a closed connection, and the daemon keeps serving.
+#[test]
+fn fuzzed_requests_never_take_the_daemon_down() {
+    use proptest::prelude::*;
+    use stoker_client::proto::{PROTOCOL_VERSION, Request, Response, encode_frame};
+
+    let dir = tempfile::tempdir().unwrap();
+    write_files(dir.path());
+    let mut daemon = Daemon::start(dir.path(), 2);
+    let glob = format!("{}/part*.h5", dir.path().display());
+    let hello =
+        encode_frame(&Request::Hello { version: PROTOCOL_VERSION, client: "fuzz".into(), job: None }).unwrap();
+    let big = prop_oneof![Just(0u64), Just(1), Just(u64::MAX), Just(1 << 32), Just(1 << 62), any::<u64>(), 0..200u64];
+    let case = (0..4u8, big.clone(), big.clone(), big.clone(), big.clone(), big.clone(), big, any::<Vec<u8>>());
+    let mut runner =
+        proptest::test_runner::TestRunner::new(ProptestConfig { cases: 300, ..ProptestConfig::default() });
+    let socket = daemon.socket.clone();
+    let child = std::cell::RefCell::new(&mut daemon.child);
+    runner
+        .run(&case, |(kind, a, b, c, d, e, f, bytes)| {
+            let mut sock = std::os::unix::net::UnixStream::connect(&socket).expect("the daemon stopped listening");
+            // Replies come at once; a frame that decodes as a one-way Release gets none.
+            sock.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+            let greeted = matches!(raw_exchange(&mut sock, &hello), Some(Response::Hello { .. }));
+            prop_assert!(greeted, "no Hello reply");
+            let dataset = match kind {
+                0 => DatasetRef::Named("parts".into()),
+                1 => DatasetRef::Hdf5 {
+                    files: glob.clone(),
+                    fields: vec![("x".into(), "x".into())],
+                    window: Some((e, f)),
+                    per_item: vec![],
+                },
+                _ => DatasetRef::Named("parts".into()),
+            };
+            let opened = match kind {
+                3 => {
+                    // Raw bytes after a valid length header.
+                    let mut frame = (bytes.len() as u32).to_le_bytes().to_vec();
+                    frame.extend_from_slice(&bytes);
+                    let _ = raw_exchange(&mut sock, &frame);
+                    None
+                }
+                _ => {
+                    let open = OpenStream {
+                        dataset,
+                        batch_size: a,
+                        shuffle: kind % 2 == 0,
+                        seed: b,
+                        drop_last: kind == 2,
+                        rank: c,
+                        world_size: d,
+                        epoch: e,
+                        step: f,
+                    };
+                    match raw_exchange(&mut sock, &encode_frame(&Request::OpenStream(open)).unwrap()) {
+                        Some(Response::StreamOpened(info)) => Some(info.stream),
+                        _ => None,
+                    }
+                }
+            };
+            if let Some(stream) = opened {
+                let _ = raw_exchange(&mut sock, &encode_frame(&Request::SetEpoch { stream, epoch: b, step: c % 8 }).unwrap());
+                // One-way: no reply to wait for.
+                let release = encode_frame(&Request::Release { stream, slot: (a % 1000) as u32 }).unwrap();
+                let _ = std::io::Write::write_all(&mut sock, &release);
+                let _ = raw_exchange(&mut sock, &encode_frame(&Request::Next { stream }).unwrap());
+            }
+            let _ = raw_exchange(&mut sock, &encode_frame(&Request::Next { stream: d }).unwrap());
+            let exited = child.borrow_mut().try_wait().unwrap();
+            prop_assert!(exited.is_none(), "the daemon died: {exited:?}");
+            Ok(())
+        })
+        .unwrap();
+    drop(child);
+    // Everyone else is still served, with the right values.
+    let client = Client::connect(&daemon.socket).unwrap();
+    let stream = client.open_stream(open(10, 0, 1, false)).unwrap();
+    let mut all = rest_of_epoch(&stream);
+    all.sort_unstable();
+    assert_eq!(all, (0..100).collect::<Vec<u16>>());
+}

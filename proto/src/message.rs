@@ -420,3 +420,63 @@ pub struct StreamStatus {
     /// Slots in the ring.
     pub depth: u64,
 }
+
+#[cfg(test)]
+mod fuzz {
+    //! Whatever bytes a client sends, decoding ends in a value or an error:
+    //! never a panic, never an allocation beyond the frame limit.
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn open(batch_size: u64, rank: u64, world_size: u64, epoch: u64, step: u64) -> Request {
+        Request::OpenStream(OpenStream {
+            dataset: DatasetRef::Hdf5 {
+                files: "/data/*.h5".into(),
+                fields: vec![("x".into(), "x".into())],
+                window: Some((batch_size, step)),
+                per_item: vec![],
+            },
+            batch_size,
+            shuffle: true,
+            seed: epoch,
+            drop_last: false,
+            rank,
+            world_size,
+            epoch,
+            step,
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2048, ..ProptestConfig::default() })]
+
+        #[test]
+        fn arbitrary_bodies_decode_or_fail(body in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = crate::decode_body::<Request>(&body);
+        }
+
+        #[test]
+        fn mutated_requests_decode_or_fail(
+            sizes in (any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>()),
+            flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..8),
+            cut in any::<prop::sample::Index>(),
+        ) {
+            let req = open(sizes.0, sizes.1, sizes.2, sizes.3, sizes.4);
+            let frame = crate::encode_frame(&req).unwrap();
+            let mut body = frame[crate::FRAME_HEADER_BYTES..].to_vec();
+            for (at, byte) in flips {
+                let i = at.index(body.len());
+                body[i] ^= byte;
+            }
+            let _ = crate::decode_body::<Request>(&body[..cut.index(body.len() + 1)]);
+        }
+
+        #[test]
+        fn frame_headers_are_checked_against_the_limit(header in any::<[u8; 4]>(), limit in 0usize..(1 << 24)) {
+            if let Ok(len) = crate::frame_len(header, limit) {
+                prop_assert!(len <= limit);
+            }
+        }
+    }
+}
