@@ -658,3 +658,39 @@ def test_audit_lines_name_uid_pid_and_job(start_daemon, stoker, data) -> None:
     opened = [l for l in log.splitlines() if "stream opened" in l]
     assert opened and "424242" in opened[-1] and "dataset=train" in opened[-1] and "rank=0" in opened[-1]
     assert any("stream closed" in l for l in log.splitlines())
+
+
+def test_sigterm_stops_the_daemon_even_with_opens_stuck_on_fifos(start_daemon, stoker, tmp_path: Path) -> None:
+    """A FIFO given as a key file used to block an open forever on the blocking
+    pool; neither it nor many of them may keep SIGTERM from stopping the daemon."""
+    env = write_env(tmp_path / "env", {key(i): npy_bytes(np.full(2, i, np.int32)) for i in range(8)})
+    fifos = []
+    for i in range(8):
+        fifo = tmp_path / f"keys-{i}.fifo"
+        os.mkfifo(fifo)
+        fifos.append(fifo)
+    d = start_daemon()
+    outcomes: list[BaseException | None] = []
+
+    def open_with(fifo: Path) -> None:
+        try:
+            stoker.Loader(stoker.lmdb(env, fields={"v": "npy"}, key_file=fifo), batch_size=2, socket=d.socket,
+                          timeout=30, reconnect=0)
+            outcomes.append(None)
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            outcomes.append(e)
+
+    threads = [threading.Thread(target=open_with, args=(f,)) for f in fifos]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    # Other clients are still served meanwhile.
+    ok = stoker.Loader(stoker.lmdb(env, fields={"v": "npy"}), batch_size=4, shuffle=False, socket=d.socket, timeout=30)
+    assert [int(b["v"][0, 0]) for b in ok] == [0, 4]
+    assert d.terminate(timeout=20) == 0
+    for t in threads:
+        t.join(30)
+    assert len(outcomes) == len(fifos)
+    # Each open either failed clearly (a FIFO is not a key file) or was cut by the shutdown.
+    for e in outcomes:
+        assert isinstance(e, stoker.StokerError), e
