@@ -33,10 +33,20 @@ pub struct Ring {
 }
 
 impl Ring {
-    /// Creates, maps and seals a ring for `depth` slots of `layout`.
+    /// Creates, maps and seals a ring for `depth` slots of `layout` (whose
+    /// sizes [`BatchLayout::new`] checked; the total is checked here).
     pub fn create(name: &str, layout: &BatchLayout, depth: u32) -> std::io::Result<Arc<Ring>> {
+        let bytes = layout
+            .checked_ring_bytes(depth)
+            .filter(|&b| usize::try_from(b).is_ok_and(|b| b <= isize::MAX as usize))
+            .ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("a ring of {depth} slots of {} bytes does not fit in memory", layout.slot_bytes),
+                )
+            })?;
         let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
-        rustix::fs::ftruncate(&fd, layout.ring_bytes(depth))?;
+        rustix::fs::ftruncate(&fd, bytes)?;
         let file = std::fs::File::from(fd);
         // SAFETY: the memfd is private to this process until it is sealed and
         // sent; its size is fixed (sealed below, before any client sees it), so
@@ -85,7 +95,7 @@ impl Ring {
             .fields
             .iter()
             .map(|field| match field.ragged {
-                None => field.sample_bytes() * rows,
+                None => field.sample_bytes().saturating_mul(rows),
                 Some(_) => {
                     let table = (base + field.offset) as usize;
                     let words = (rows as usize) * field.shape.len();
@@ -99,15 +109,15 @@ impl Ring {
                     shapes
                         .chunks_exact(8 * field.shape.len().max(1))
                         .map(|row| {
+                            // Shapes were written by a source: saturate rather than trust them.
                             row.chunks_exact(8)
                                 .map(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes")))
-                                .product::<u64>()
-                                * field.dtype.size() as u64
+                                .fold(field.dtype.size() as u64, u64::saturating_mul)
                         })
-                        .sum()
+                        .fold(0, u64::saturating_add)
                 }
             })
-            .sum()
+            .fold(0, u64::saturating_add)
     }
 
     /// Exclusive write access to `rows` of `slot`, or `None` while another
@@ -236,7 +246,7 @@ mod tests {
 
     fn ring() -> Arc<Ring> {
         let decl = FieldDecl { name: "x".into(), dtype: DType::U32, shape: vec![3], max_sample_bytes: None };
-        let layout = BatchLayout::new(4, [decl]);
+        let layout = BatchLayout::new(4, [decl], &stoker_proto::LayoutLimits::DEFAULT).unwrap();
         Ring::create("test", &layout, 2).unwrap()
     }
 
