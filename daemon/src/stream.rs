@@ -481,8 +481,7 @@ mod tests {
         let layout = BatchLayout::new(4, [field.decl()], &LayoutLimits::DEFAULT).unwrap();
         let ring = Ring::create("panic-test", &layout, 3).unwrap();
         let pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap());
-        let meta =
-            StreamMeta { id: 1, client_id: 1, pid: 1, dataset: "panicky".into(), rank: 0, world_size: 1 };
+        let meta = StreamMeta { id: 1, client_id: 1, pid: 1, dataset: "panicky".into(), rank: 0, world_size: 1 };
         let sampler = Sampler::new(32, 0, 1, 4, false, 0, false);
         let stream = Stream::start(meta, source, sampler, ring, pool, 0, 0);
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();

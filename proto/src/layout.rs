@@ -422,12 +422,12 @@ mod tests {
     #[test]
     fn batch_limit_suggests_a_batch_size_that_fits() {
         let limits = LayoutLimits { max_sample_bytes: 1 << 30, max_batch_bytes: 1 << 20 };
-        let err = BatchLayout::new(64, [decl("x", DType::F32, vec![64, 64], None)], &limits).unwrap_err();
+        // 16 KiB per row: 64 rows are exactly the limit.
+        let err = BatchLayout::new(100, [decl("x", DType::F32, vec![64, 64], None)], &limits).unwrap_err();
         let msg = err.to_string();
-        assert!(msg.contains("[limits] max_batch_bytes") && msg.contains("64 rows"), "{msg}");
-        assert!(msg.contains("use batch_size 16 or less"), "{msg}");
-        // Exactly at the limit is fine.
-        BatchLayout::new(16, [decl("x", DType::F32, vec![64, 64], None)], &limits).unwrap();
+        assert!(msg.contains("[limits] max_batch_bytes = 1048576") && msg.contains("100 rows"), "{msg}");
+        assert!(msg.contains("use batch_size 64 or less"), "{msg}");
+        BatchLayout::new(64, [decl("x", DType::F32, vec![64, 64], None)], &limits).unwrap();
         // With alignment between fields, the suggestion is what really fits.
         let fields = || [decl("a", DType::F32, vec![3], None), decl("b", DType::U8, vec![], None)];
         let limits = LayoutLimits { max_sample_bytes: 1 << 30, max_batch_bytes: 8192 };

@@ -97,7 +97,9 @@ fn fixtures_decode_like_the_reference_tools() {
         compare(f, &info, &dst, &want);
 
         // Into a reusable buffer.
-        let got = codec.decode(&value, &mut buf, &mut scratch, u64::MAX).unwrap_or_else(|e| panic!("{}: decode: {e}", f.file));
+        let got = codec
+            .decode(&value, &mut buf, &mut scratch, u64::MAX)
+            .unwrap_or_else(|e| panic!("{}: decode: {e}", f.file));
         assert_eq!(got, info, "{}", f.file);
         assert_eq!(buf.as_slice().as_ptr().addr() % BUF_ALIGN, 0);
         compare(f, &info, buf.as_slice(), &want);

@@ -329,8 +329,7 @@ impl LmdbSource {
                 chain.output(dtype, &decoded_shape).map_err(|e| match e {
                     // A transform that makes values too large is a limit, not a malformed field.
                     TransformError::TooLarge { .. } => SourceError::Limit(format!(
-                        "LMDB field {:?} ({}, codec {}): {e}",
-                        field.name,
+                        "LMDB environment {} (codec {}): {e}",
                         field.env.display(),
                         field.codec
                     )),
