@@ -443,6 +443,43 @@ mod tests {
     }
 
     #[test]
+    fn hostile_sizes_never_panic_and_what_is_accepted_is_consistent() {
+        // Every combination of hostile dimensions, rooms and batch sizes, under
+        // the default limits and under none: an error, or a layout whose fields
+        // are aligned, disjoint, inside the slot, and within the limits.
+        let dims = [0u64, 1, 3, 1 << 31, 1 << 32, 1 << 63, u64::MAX];
+        let rooms = [None, Some(0), Some(1), Some(1 << 20), Some(1 << 58), Some(u64::MAX)];
+        let batches = [1u64, 7, 64, 1 << 16, 1 << 40, u64::MAX];
+        let none = LayoutLimits { max_sample_bytes: u64::MAX, max_batch_bytes: u64::MAX };
+        for limits in [LayoutLimits::DEFAULT, none] {
+            for &a in &dims {
+                for &b in &dims {
+                    for &room in &rooms {
+                        for &batch in &batches {
+                            let fields = [
+                                decl("s", DType::U8, vec![], None),
+                                decl("x", DType::F64, vec![a, b], None),
+                                decl("r", DType::U16, vec![a, 0, b], room),
+                            ];
+                            let Ok(layout) = BatchLayout::new(batch, fields, &limits) else { continue };
+                            assert!(layout.slot_bytes <= limits.max_batch_bytes);
+                            let mut end = 0u64;
+                            for f in &layout.fields {
+                                assert!(f.offset >= end && f.offset % FIELD_ALIGN == 0);
+                                assert!(f.sample_bytes() <= limits.max_sample_bytes);
+                                let data = f.ragged.map_or(f.offset, |r| r.data_offset);
+                                end = data + f.sample_bytes() * batch;
+                            }
+                            assert!(end <= layout.slot_bytes);
+                            assert!(layout.checked_ring_bytes(1024).is_some() || limits == none);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn ring_sizes_saturate_instead_of_wrapping() {
         let layout = BatchLayout { batch_size: 1, slot_bytes: u64::MAX / 2, fields: vec![] };
         assert_eq!(layout.checked_ring_bytes(4), None);
