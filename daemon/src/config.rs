@@ -132,6 +132,21 @@ pub struct LimitsConfig {
     pub max_connections: usize,
     /// Connections one uid may hold at once (root and the daemon's uid are not capped).
     pub max_connections_per_uid: usize,
+    /// Most bytes one sample of one field may take: in the batch (a ragged
+    /// field's reserved room included), decoded, and at every transform step.
+    pub max_sample_bytes: u64,
+    /// Most bytes one batch (one ring slot) may take.
+    pub max_batch_bytes: u64,
+    /// Shared memory all rings of all clients may take together, in bytes;
+    /// 0 means half of the machine's physical memory.
+    pub max_ring_bytes_total: u64,
+}
+
+impl LimitsConfig {
+    /// The per-sample and per-batch ceilings, as the batch layout checks them.
+    pub fn layout(&self) -> stoker_proto::LayoutLimits {
+        stoker_proto::LayoutLimits { max_sample_bytes: self.max_sample_bytes, max_batch_bytes: self.max_batch_bytes }
+    }
 }
 
 impl Default for LimitsConfig {
@@ -143,6 +158,9 @@ impl Default for LimitsConfig {
             max_streams_per_client: 16,
             max_connections: 1024,
             max_connections_per_uid: 128,
+            max_sample_bytes: stoker_proto::DEFAULT_MAX_SAMPLE_BYTES,
+            max_batch_bytes: stoker_proto::DEFAULT_MAX_BATCH_BYTES,
+            max_ring_bytes_total: 0,
         }
     }
 }
@@ -240,7 +258,7 @@ pub struct Settings {
     pub worker_threads: usize,
     /// Slots per ring.
     pub ring_depth: u32,
-    /// Limits.
+    /// Limits (`max_ring_bytes_total` resolved: never 0).
     pub limits: LimitsConfig,
     /// Bytes of the decoded-chunk cache.
     pub chunk_cache_bytes: u64,
@@ -332,6 +350,13 @@ impl Config {
                 )));
             }
         }
+        if self.limits.max_sample_bytes == 0 || self.limits.max_batch_bytes == 0 {
+            return Err(invalid("[limits] max_sample_bytes and max_batch_bytes must be at least 1".into()));
+        }
+        let mut limits = self.limits;
+        if limits.max_ring_bytes_total == 0 {
+            limits.max_ring_bytes_total = physical_memory().map_or(u64::MAX, |bytes| bytes / 2);
+        }
         let mut allowed_roots = Vec::new();
         for root in &self.server.allowed_roots {
             // A root that does not exist yet cannot hold files either; keep it as written.
@@ -365,7 +390,7 @@ impl Config {
         };
         let frame_timeout = seconds("frame_timeout_s", self.server.frame_timeout_s)?;
         let shutdown_grace = seconds("shutdown_grace_s", self.server.shutdown_grace_s)?;
-        if self.limits.max_connections == 0 || self.limits.max_connections_per_uid == 0 {
+        if limits.max_connections == 0 || limits.max_connections_per_uid == 0 {
             return Err(invalid("[limits] max_connections and max_connections_per_uid must be at least 1".into()));
         }
         let worker_threads = match self.workers.threads {
@@ -383,7 +408,7 @@ impl Config {
             shutdown_grace,
             worker_threads,
             ring_depth: self.ring.depth,
-            limits: self.limits,
+            limits,
             chunk_cache_bytes: self.cache.chunk_bytes,
             hdf5_fast_path: self.hdf5.fast_path,
             datasets: self.datasets,
@@ -402,6 +427,14 @@ fn resolve_group(group: &str) -> Option<u32> {
         (parts.next()? == group).then_some(())?;
         parts.nth(1)?.parse().ok()
     })
+}
+
+/// Bytes of physical memory, from `/proc/meminfo` (`None` where it cannot be read).
+fn physical_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }
 
 #[cfg(test)]
@@ -431,6 +464,12 @@ mod tests {
         assert_eq!(cfg.ring.depth, RingConfig::default().depth);
         assert_eq!(cfg.server.socket, ServerConfig::default().socket);
         assert_eq!(cfg.limits.max_batch_size, LimitsConfig::default().max_batch_size);
+        let (shipped, default) = (&cfg.limits, LimitsConfig::default());
+        assert_eq!(
+            (shipped.max_sample_bytes, shipped.max_batch_bytes, shipped.max_ring_bytes_total),
+            (default.max_sample_bytes, default.max_batch_bytes, default.max_ring_bytes_total)
+        );
+        assert_eq!(shipped.max_ring_bytes_per_client, default.max_ring_bytes_per_client);
         cfg.validate(path).unwrap();
     }
 

@@ -66,7 +66,10 @@ impl Datasets {
 
     /// Opens (or reuses) the dataset. Blocking: call it off the async threads.
     pub fn open(&self, dataset: &DatasetRef) -> Result<Opened, Refusal> {
-        let (label, resolved) = self.resolve(dataset)?;
+        let (label, mut resolved) = self.resolve(dataset)?;
+        if let Resolved::Lmdb(spec) = &mut resolved {
+            spec.max_value_bytes = self.settings().limits.max_sample_bytes;
+        }
         let key = match &resolved {
             Resolved::Hdf5(spec) => format!("hdf5 {spec:?}"),
             Resolved::Lmdb(spec) => format!("lmdb {spec:?}"),
@@ -221,6 +224,7 @@ fn evict_idle(open: &mut HashMap<String, (Opened, Instant)>) {
 fn refuse(e: SourceError) -> Refusal {
     let kind = match e {
         SourceError::NotAllowed { .. } => ErrorKind::PermissionDenied,
+        SourceError::Limit(_) => ErrorKind::Limit,
         _ => ErrorKind::Dataset,
     };
     (kind, e.to_string())

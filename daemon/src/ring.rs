@@ -8,6 +8,12 @@
 //! new writable mapping or `write()` is possible, so clients that receive the
 //! fd can only map it read-only. Exclusive write access to a slot is handed out
 //! as a [`SlotWriter`]; while any writer of a slot lives, no other can be made.
+//!
+//! Offsets come from a [`BatchLayout`] whose sizes were checked when it was
+//! made; they are still computed with checked arithmetic (clippy's
+//! `arithmetic_side_effects` is denied here) and bounds-checked against the
+//! mapping before any slice is made.
+#![deny(clippy::arithmetic_side_effects)]
 
 use std::ops::Range;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -33,10 +39,20 @@ pub struct Ring {
 }
 
 impl Ring {
-    /// Creates, maps and seals a ring for `depth` slots of `layout`.
+    /// Creates, maps and seals a ring for `depth` slots of `layout` (whose
+    /// sizes [`BatchLayout::new`] checked; the total is checked here).
     pub fn create(name: &str, layout: &BatchLayout, depth: u32) -> std::io::Result<Arc<Ring>> {
+        let bytes = layout
+            .checked_ring_bytes(depth)
+            .filter(|&b| usize::try_from(b).is_ok_and(|b| b <= isize::MAX as usize))
+            .ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("a ring of {depth} slots of {} bytes does not fit in memory", layout.slot_bytes),
+                )
+            })?;
         let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
-        rustix::fs::ftruncate(&fd, layout.ring_bytes(depth))?;
+        rustix::fs::ftruncate(&fd, bytes)?;
         let file = std::fs::File::from(fd);
         // SAFETY: the memfd is private to this process until it is sealed and
         // sent; its size is fixed (sealed below, before any client sees it), so
@@ -85,29 +101,39 @@ impl Ring {
             .fields
             .iter()
             .map(|field| match field.ragged {
-                None => field.sample_bytes() * rows,
+                None => field.sample_bytes().saturating_mul(rows),
                 Some(_) => {
-                    let table = (base + field.offset) as usize;
-                    let words = (rows as usize) * field.shape.len();
-                    assert!(table + words * 8 <= self.map.len(), "shape tables lie inside the ring");
-                    // SAFETY: in bounds (asserted); the caller guarantees no
+                    let bytes = (field.shape.len() as u64).saturating_mul(8).saturating_mul(rows);
+                    let (table, bytes) = self.span(base.saturating_add(field.offset), bytes);
+                    // SAFETY: in bounds (checked by `span`); the caller guarantees no
                     // writer holds this slot, so nothing mutates these bytes
                     // while the shared slice lives. Built from `base` rather
                     // than by borrowing the whole mapping, so it does not
                     // alias writers' slices of other slots.
-                    let shapes = unsafe { std::slice::from_raw_parts(self.base.add(table), words * 8) };
+                    let shapes = unsafe { std::slice::from_raw_parts(self.base.add(table), bytes) };
                     shapes
-                        .chunks_exact(8 * field.shape.len().max(1))
+                        .chunks_exact(field.shape.len().max(1).saturating_mul(8))
                         .map(|row| {
+                            // Shapes were written by a source: saturate rather than trust them.
                             row.chunks_exact(8)
                                 .map(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes")))
-                                .product::<u64>()
-                                * field.dtype.size() as u64
+                                .fold(field.dtype.size() as u64, u64::saturating_mul)
                         })
-                        .sum()
+                        .fold(0, u64::saturating_add)
                 }
             })
-            .sum()
+            .fold(0, u64::saturating_add)
+    }
+
+    /// `(start, len)` of the `len` bytes at `start` as indices into the
+    /// mapping, checked to lie inside it. Layouts keep every row and shape
+    /// table inside the ring ([`BatchLayout::new`]), so a failure is a bug.
+    fn span(&self, start: u64, len: u64) -> (usize, usize) {
+        let span = usize::try_from(start).ok().zip(usize::try_from(len).ok());
+        match span {
+            Some((start, len)) if start.checked_add(len).is_some_and(|end| end <= self.map.len()) => (start, len),
+            _ => panic!("{len} bytes at {start} lie outside the ring of {} bytes", self.map.len()),
+        }
     }
 
     /// Exclusive write access to `rows` of `slot`, or `None` while another
@@ -168,12 +194,12 @@ impl SlotWriter {
     /// Splits into writers of disjoint row ranges, about `parts` of them, each
     /// at least `min_rows` long (except possibly the last).
     pub fn split(self, parts: usize, min_rows: u64) -> Vec<SlotWriter> {
-        let len = self.rows.end - self.rows.start;
+        let len = self.rows.end.saturating_sub(self.rows.start);
         let per = len.div_ceil(parts.max(1) as u64).max(min_rows.max(1));
         let mut out = Vec::new();
         let mut start = self.rows.start;
         while start < self.rows.end {
-            let end = (start + per).min(self.rows.end);
+            let end = start.saturating_add(per).min(self.rows.end);
             out.push(SlotWriter { claim: self.claim.clone(), rows: start..end });
             start = end;
         }
@@ -189,17 +215,17 @@ impl SlotWriter {
             .fields
             .iter()
             .map(|field| {
-                let len = field.sample_bytes() as usize;
+                let len = field.sample_bytes();
+                // Offset of this row in an array of `stride`-byte rows at `at` (saturating:
+                // an offset past the end fails the bounds check in `span`).
+                let nth = |at: u64, stride: u64| slot.saturating_add(at).saturating_add(row.saturating_mul(stride));
+                let table_row = (field.shape.len() as u64).saturating_mul(8);
                 let (start, shape_at) = match field.ragged {
-                    Some(r) => {
-                        let ndim = field.shape.len() as u64;
-                        (slot + r.data_offset + row * len as u64, Some(slot + field.offset + row * ndim * 8))
-                    }
-                    None => (slot + field.offset + row * len as u64, None),
+                    Some(r) => (nth(r.data_offset, len), Some(ring.span(nth(field.offset, table_row), table_row))),
+                    None => (nth(field.offset, len), None),
                 };
-                let start = start as usize;
-                assert!(start + len <= ring.map.len(), "layout keeps samples inside the ring");
-                // SAFETY: the range is inside the mapping (asserted above) and
+                let (start, len) = ring.span(start, len);
+                // SAFETY: the range is inside the mapping (checked by `span`) and
                 // fields occupy disjoint ranges of a slot (BatchLayout::new), so
                 // the slices returned together never overlap. Writers of one
                 // slot exist only while the slot's claim is held, and the
@@ -209,15 +235,11 @@ impl SlotWriter {
                 // The client maps the memfd read-only and, by protocol, reads
                 // only slots it was handed after their writers were dropped.
                 let data = unsafe { std::slice::from_raw_parts_mut(ring.base.add(start), len) };
-                let shape = shape_at.map(|at| {
-                    let at = at as usize;
+                let shape = shape_at.map(|(at, _)| {
                     let ndim = field.shape.len();
-                    assert!(
-                        at + ndim * 8 <= ring.map.len() && at.is_multiple_of(8),
-                        "shape tables are aligned and in the ring"
-                    );
+                    assert!(at.is_multiple_of(8), "shape tables are aligned");
                     // SAFETY: as for `data`: the row's entry of the field's
-                    // shape table is in bounds (asserted), 8-byte aligned
+                    // shape table is in bounds (checked by `span`), 8-byte aligned
                     // (tables start at 64-byte-aligned offsets), disjoint
                     // from every other slice handed out, and any bit
                     // pattern is a valid u64.
@@ -230,13 +252,14 @@ impl SlotWriter {
 }
 
 #[cfg(test)]
+#[allow(clippy::arithmetic_side_effects)]
 mod tests {
     use super::*;
     use stoker_proto::{DType, FieldDecl};
 
     fn ring() -> Arc<Ring> {
         let decl = FieldDecl { name: "x".into(), dtype: DType::U32, shape: vec![3], max_sample_bytes: None };
-        let layout = BatchLayout::new(4, [decl]);
+        let layout = BatchLayout::new(4, [decl], &stoker_proto::LayoutLimits::DEFAULT).unwrap();
         Ring::create("test", &layout, 2).unwrap()
     }
 

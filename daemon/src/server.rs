@@ -730,9 +730,17 @@ impl Connection {
         }
         let daemon = self.daemon.clone();
         let dataset = open.dataset.clone();
-        let opened = tokio::task::spawn_blocking(move || daemon.datasets.open(&dataset))
-            .await
-            .map_err(|e| (ErrorKind::Internal, format!("dataset open panicked: {e}")))??;
+        let opened = tokio::task::spawn_blocking(move || daemon.datasets.open(&dataset)).await.map_err(|e| {
+            let why = if e.is_panic() { crate::stream::panic_message(&*e.into_panic()) } else { e.to_string() };
+            tracing::error!(dataset = ?open.dataset, %why, "opening a dataset panicked");
+            (
+                ErrorKind::Internal,
+                format!(
+                    "opening the dataset failed inside the daemon (a bug: {why}); the daemon keeps serving other \
+                     streams — please report this with the daemon's log"
+                ),
+            )
+        })??;
         let (label, source) = (opened.label, opened.source);
         let sampler = Sampler::new(
             source.len(),
@@ -749,17 +757,41 @@ impl Connection {
                 format!("step {} is past the end of the epoch ({} batches)", open.step, sampler.batches_per_epoch()),
             ));
         }
-        let layout = BatchLayout::new(open.batch_size, source.fields().iter().map(|f| f.decl()));
+        let layout = BatchLayout::new(open.batch_size, source.fields().iter().map(|f| f.decl()), &limits.layout())
+            .map_err(|e| {
+                let origin = match &e {
+                    stoker_proto::LayoutError::SampleTooLarge { field, .. } => {
+                        source.fields().iter().find(|f| &f.name == field).map(|f| format!(" (from {})", f.origin))
+                    }
+                    stoker_proto::LayoutError::BatchTooLarge { .. } => None,
+                };
+                (ErrorKind::Limit, format!("dataset {label}{}: {e}", origin.unwrap_or_default()))
+            })?;
         let depth = settings.ring_depth;
         let held: u64 = self.streams.values().map(|s| s.ring().bytes()).sum();
-        let want = layout.ring_bytes(depth);
-        if held + want > limits.max_ring_bytes_per_client {
+        let want = layout.checked_ring_bytes(depth).unwrap_or(u64::MAX);
+        if held.saturating_add(want) > limits.max_ring_bytes_per_client {
             return Err((
                 ErrorKind::Limit,
                 format!(
                     "this stream needs {want} bytes of shared memory ({depth} slots × {} bytes) and the client already \
                      holds {held}; the limit is {} ([limits] max_ring_bytes_per_client): use a smaller batch_size",
                     layout.slot_bytes, limits.max_ring_bytes_per_client
+                ),
+            ));
+        }
+        // Checked and created under the registry's lock, so concurrent opens
+        // cannot together overshoot the daemon-wide budget.
+        let mut all_streams = lock(&self.daemon.streams);
+        let total: u64 = all_streams.values().map(|s| s.ring().bytes()).sum();
+        if total.saturating_add(want) > limits.max_ring_bytes_total {
+            return Err((
+                ErrorKind::Limit,
+                format!(
+                    "this stream needs {want} bytes of shared memory ({depth} slots × {} bytes) and the daemon's \
+                     streams already hold {total}; the limit for all clients together is {} ([limits] \
+                     max_ring_bytes_total): use a smaller batch_size, or retry when other jobs have finished",
+                    layout.slot_bytes, limits.max_ring_bytes_total
                 ),
             ));
         }
@@ -775,8 +807,9 @@ impl Connection {
             world_size: open.world_size,
         };
         let stream = Stream::start(meta, source, sampler, ring, self.daemon.pool.clone(), open.epoch, open.step);
+        all_streams.insert(id, stream.clone());
+        drop(all_streams);
         self.streams.insert(id, stream.clone());
-        lock(&self.daemon.streams).insert(id, stream.clone());
         tracing::info!(
             stream = id,
             dataset = %stream.meta().dataset,

@@ -9,8 +9,15 @@
 //! start a new one, so fills still running for the old position are discarded
 //! when they finish instead of being delivered. Decoding runs on the rayon
 //! worker pool, never on tokio threads.
+//!
+//! A panic while producing a batch (a bug in a decoder, say) is caught on the
+//! worker: that batch fails with an error naming the dataset and sample, the
+//! stream goes on with the next one, and the process never aborts (rayon
+//! aborts on a panic that escapes a spawned job).
 
+use std::any::Any;
 use std::collections::VecDeque;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -306,7 +313,17 @@ impl Stream {
             let stream = self.clone();
             let parts = self.pool.current_num_threads();
             self.pool.spawn(move || {
-                let error = stream.produce(writer, parts, epoch, generation, step);
+                // Backstop: a panic outside the per-sample guard in `produce`.
+                let produced = catch_unwind(AssertUnwindSafe(|| stream.produce(writer, parts, epoch, generation, step)));
+                let error = produced.unwrap_or_else(|payload| {
+                    let why = panic_message(&*payload);
+                    tracing::error!(stream = stream.meta.id, dataset = %stream.meta.dataset, epoch, step, %why, "batch fill panicked");
+                    Some(format!(
+                        "dataset {}: producing batch {step} of epoch {epoch} failed inside the daemon (a bug: {why}); \
+                         the batch is skipped and the stream goes on — please report this with the daemon's log",
+                        stream.meta.dataset
+                    ))
+                });
                 stream.complete(slot, generation, epoch, step, rows, error);
             });
         }
@@ -334,11 +351,27 @@ impl Stream {
             for row in part.rows() {
                 let index = self.sampler.index(perm.as_ref(), step, row);
                 let sample = SampleRef { index, seed, epoch };
-                if let Err(e) = self.source.read_sample(sample, &mut part.row_mut(row)) {
-                    tracing::warn!(stream = self.meta.id, error = %e, "batch failed");
-                    failure.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e.to_string());
-                    return;
-                }
+                let read = catch_unwind(AssertUnwindSafe(|| self.source.read_sample(sample, &mut part.row_mut(row))));
+                let error = match read {
+                    Ok(Ok(())) => continue,
+                    Ok(Err(e)) => {
+                        tracing::warn!(stream = self.meta.id, error = %e, "batch failed");
+                        e.to_string()
+                    }
+                    Err(payload) => {
+                        let why = panic_message(&*payload);
+                        let fields: Vec<&str> = self.source.fields().iter().map(|f| f.name.as_str()).collect();
+                        tracing::error!(stream = self.meta.id, dataset = %self.meta.dataset, index, %why, "reading a sample panicked");
+                        format!(
+                            "dataset {}: reading sample {index} (fields {fields:?}, epoch {epoch}, batch {step}) failed \
+                             inside the daemon (a bug: {why}); the batch is skipped and the stream goes on — please \
+                             report this with the daemon's log",
+                            self.meta.dataset
+                        )
+                    }
+                };
+                failure.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(error);
+                return;
             }
         });
         failure.into_inner().unwrap_or_else(|e| e.into_inner())
@@ -397,5 +430,103 @@ impl Stream {
             slots_leased: st.slots.iter().filter(|s| **s == Slot::Leased).count() as u64,
             depth: u64::from(self.ring.depth()),
         }
+    }
+}
+
+/// The message a panic was raised with (`panic!("...")` gives a `&str` or a `String`).
+pub fn panic_message(payload: &(dyn Any + Send)) -> String {
+    match (payload.downcast_ref::<&str>(), payload.downcast_ref::<String>()) {
+        (Some(s), _) => (*s).to_string(),
+        (_, Some(s)) => s.clone(),
+        _ => "a panic without a message".to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use stoker_proto::{DType, LayoutLimits};
+
+    use super::*;
+    use crate::source::{FieldOut, FieldSpec, SourceError};
+
+    /// Writes each sample's index; panics on one of them, as a buggy decoder would.
+    #[derive(Debug)]
+    struct Panicky {
+        fields: Vec<FieldSpec>,
+        panic_on: u64,
+    }
+
+    impl Source for Panicky {
+        fn len(&self) -> u64 {
+            32
+        }
+
+        fn fields(&self) -> &[FieldSpec] {
+            &self.fields
+        }
+
+        fn read_sample(&self, sample: SampleRef, out: &mut [FieldOut<'_>]) -> Result<(), SourceError> {
+            if sample.index == self.panic_on {
+                let shape: Vec<u64> = vec![];
+                // A typical bug: indexing past a shape the value did not have.
+                let _ = shape[sample.index as usize];
+            }
+            out[0].data.copy_from_slice(&sample.index.to_ne_bytes());
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_panicking_source_fails_one_batch_and_the_stream_goes_on() {
+        let field = FieldSpec {
+            name: "x".into(),
+            origin: "test".into(),
+            dtype: DType::U64,
+            shape: vec![],
+            max_sample_bytes: None,
+        };
+        let source: Arc<dyn Source> = Arc::new(Panicky { fields: vec![field.clone()], panic_on: 5 });
+        let layout = BatchLayout::new(4, [field.decl()], &LayoutLimits::DEFAULT).unwrap();
+        let ring = Ring::create("panic-test", &layout, 3).unwrap();
+        let pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap());
+        let meta = StreamMeta { id: 1, client_id: 1, pid: 1, dataset: "panicky".into(), rank: 0, world_size: 1 };
+        let sampler = Sampler::new(32, 0, 1, 4, false, 0, false);
+        let stream = Stream::start(meta, source, sampler, ring, pool, 0, 0);
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let mut outcomes = Vec::new();
+        runtime.block_on(async {
+            loop {
+                match stream.next().await {
+                    Delivery::Batch(b) => {
+                        assert_eq!(b.step, outcomes.len() as u64);
+                        // Sample indices are in order without shuffling: row r of step s is 4s + r.
+                        let bytes = stream.ring().batch_bytes(b.slot, b.rows);
+                        assert_eq!(bytes, 4 * 8);
+                        outcomes.push(Ok(b.step));
+                        assert!(stream.release(b.slot));
+                    }
+                    Delivery::Failed(message) => outcomes.push(Err(message)),
+                    Delivery::EndOfEpoch(0) => break,
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+        });
+        assert_eq!(outcomes.len(), 8, "{outcomes:?}");
+        for (step, outcome) in outcomes.iter().enumerate() {
+            match (step, outcome) {
+                (1, Err(message)) => {
+                    for needle in ["panicky", "sample 5", "\"x\"", "index out of bounds", "report"] {
+                        assert!(message.contains(needle), "{needle} missing from: {message}");
+                    }
+                }
+                (1, Ok(_)) => panic!("batch 1 holds sample 5 and must fail"),
+                (_, Ok(s)) => assert_eq!(*s, step as u64),
+                (_, Err(message)) => panic!("batch {step} failed: {message}"),
+            }
+        }
+        // The pool survived: a second epoch is produced as well.
+        runtime.block_on(async {
+            assert!(matches!(stream.next().await, Delivery::Batch(BatchReady { epoch: 1, step: 0, .. })));
+        });
     }
 }

@@ -12,6 +12,11 @@
 //! ndim` native-endian `u64` per-row shapes, then (at [`Ragged::data_offset`])
 //! one [`Ragged::row_stride`]-byte region per row whose first
 //! `prod(shape) · dtype.size()` bytes are the row's C-contiguous values.
+//!
+//! Every size here comes from a client or a file, so all of it is checked
+//! arithmetic ([`BatchLayout::new`] fails with a [`LayoutError`] rather than
+//! overflow), and clippy's `arithmetic_side_effects` keeps it that way.
+#![deny(clippy::arithmetic_side_effects)]
 
 use serde::{Deserialize, Serialize};
 
@@ -132,18 +137,138 @@ pub struct FieldDecl {
 
 impl FieldLayout {
     /// Bytes one row of this field occupies in the slot: the sample size, or a
-    /// ragged field's per-row capacity.
+    /// ragged field's per-row capacity. (Saturates instead of overflowing: a
+    /// layout made by [`BatchLayout::new`] never comes near; one read off the
+    /// wire then fails the size checks against the mapping.)
     pub fn sample_bytes(&self) -> u64 {
         match self.ragged {
             Some(r) => r.row_stride,
-            None => self.shape.iter().product::<u64>() * self.dtype.size() as u64,
+            None => fixed_sample_bytes(self.dtype, &self.shape).unwrap_or(u64::MAX),
         }
     }
 
     /// Bytes of a ragged field's shape table for `batch_size` rows.
     pub fn shape_table_bytes(&self, batch_size: u64) -> u64 {
-        if self.ragged.is_some() { batch_size * self.shape.len() as u64 * 8 } else { 0 }
+        if self.ragged.is_some() { shape_table_bytes(batch_size, self.shape.len()).unwrap_or(u64::MAX) } else { 0 }
     }
+}
+
+/// Bytes of one fixed-shape sample, `None` when that overflows `u64`.
+fn fixed_sample_bytes(dtype: DType, shape: &[u64]) -> Option<u64> {
+    shape.iter().try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d))
+}
+
+/// Bytes of a ragged field's table of per-row shapes.
+fn shape_table_bytes(batch_size: u64, ndim: usize) -> Option<u64> {
+    batch_size.checked_mul(ndim as u64)?.checked_mul(8)
+}
+
+/// Ceilings a layout must stay under: the daemon's `[limits]
+/// max_sample_bytes` and `max_batch_bytes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayoutLimits {
+    /// Most bytes one row of one field may take (a ragged field's reserved room included).
+    pub max_sample_bytes: u64,
+    /// Most bytes one slot (a whole batch) may take.
+    pub max_batch_bytes: u64,
+}
+
+impl LayoutLimits {
+    /// The defaults of the daemon's config.
+    pub const DEFAULT: LayoutLimits =
+        LayoutLimits { max_sample_bytes: DEFAULT_MAX_SAMPLE_BYTES, max_batch_bytes: DEFAULT_MAX_BATCH_BYTES };
+}
+
+/// Default of `[limits] max_sample_bytes`: 1 GiB per sample of one field.
+pub const DEFAULT_MAX_SAMPLE_BYTES: u64 = 1 << 30;
+/// Default of `[limits] max_batch_bytes`: 4 GiB per batch (one ring slot).
+pub const DEFAULT_MAX_BATCH_BYTES: u64 = 4 << 30;
+
+/// A batch that cannot be laid out within the limits (or within 64 bits).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    /// One row of a field is larger than `[limits] max_sample_bytes`.
+    #[error(
+        "field {field:?}: {what} {size}, more than [limits] max_sample_bytes = {limit} bytes; {hint}",
+        what = if *ragged { "the room reserved per sample (the field's max_sample_bytes) is" }
+               else { "one sample of this shape is" },
+        size = show_size(*bytes, &format!(" ({dtype} {shape:?})")),
+        hint = if *ragged { "lower the field's max_sample_bytes, or ask the daemon's admin to raise the limit" }
+               else { "crop or resize the field, or ask the daemon's admin to raise the limit" }
+    )]
+    SampleTooLarge {
+        /// Field name.
+        field: String,
+        /// Element type.
+        dtype: DType,
+        /// Sample shape (0 marks a varying dimension of a ragged field).
+        shape: Vec<u64>,
+        /// Whether the size is a ragged field's reserved room.
+        ragged: bool,
+        /// Bytes of one row; `None` when that does not even fit in 64 bits.
+        bytes: Option<u64>,
+        /// The limit in force.
+        limit: u64,
+    },
+    /// One slot (a whole batch) is larger than `[limits] max_batch_bytes`.
+    #[error(
+        "a batch of {batch_size} rows takes {size}, more than [limits] max_batch_bytes = {limit} bytes; {hint}",
+        size = show_size(*bytes, ""),
+        hint = if *fits > 0 {
+            format!("use batch_size {fits} or less")
+        } else {
+            "even one row does not fit: crop the fields, or ask the daemon's admin to raise the limit".to_string()
+        }
+    )]
+    BatchTooLarge {
+        /// Rows asked for.
+        batch_size: u64,
+        /// Bytes of the slot; `None` when that does not fit in 64 bits.
+        bytes: Option<u64>,
+        /// The largest batch size that fits (0: none).
+        fits: u64,
+        /// The limit in force.
+        limit: u64,
+    },
+}
+
+/// `N bytes (≈ X GiB)`, or "more than 2^64 bytes" when it overflowed.
+fn show_size(bytes: Option<u64>, what: &str) -> String {
+    match bytes {
+        None => format!("more than 2^64 bytes{what}"),
+        Some(b) if b >= 1 << 30 => format!("{b} bytes{what}, about {:.1} GiB", b as f64 / (1u64 << 30) as f64),
+        Some(b) => format!("{b} bytes{what}"),
+    }
+}
+
+/// Places `decls` (whose row sizes are `rows`) field-major for `batch_size`
+/// rows: the slot size and the fields, or `None` when a size overflows `u64`.
+fn place(batch_size: u64, decls: &[FieldDecl], rows: &[u64]) -> Option<(u64, Vec<FieldLayout>)> {
+    let mut offset = 0u64;
+    let mut fields = Vec::with_capacity(decls.len());
+    for (decl, &row) in decls.iter().zip(rows) {
+        let field_offset = offset;
+        let ragged = match decl.max_sample_bytes {
+            None => None,
+            Some(_) => {
+                let table = shape_table_bytes(batch_size, decl.shape.len())?;
+                Some(Ragged {
+                    data_offset: offset.checked_add(table)?.checked_next_multiple_of(FIELD_ALIGN)?,
+                    row_stride: row,
+                })
+            }
+        };
+        let start = ragged.map_or(offset, |r| r.data_offset);
+        offset = row.checked_mul(batch_size)?.checked_add(start)?.checked_next_multiple_of(FIELD_ALIGN)?;
+        fields.push(FieldLayout {
+            name: decl.name.clone(),
+            dtype: decl.dtype,
+            shape: decl.shape.clone(),
+            offset: field_offset,
+            ragged,
+        });
+    }
+    Some((offset.max(1).checked_next_multiple_of(SLOT_ALIGN)?, fields))
 }
 
 /// The layout shared by every slot of one stream.
@@ -158,29 +283,50 @@ pub struct BatchLayout {
 }
 
 impl BatchLayout {
-    /// Lays out `fields` field-major for `batch_size` rows.
-    pub fn new(batch_size: u64, fields: impl IntoIterator<Item = FieldDecl>) -> Self {
-        let mut offset = 0u64;
-        let fields = fields
-            .into_iter()
-            .map(|decl| {
-                let ragged = decl.max_sample_bytes.map(|max| {
-                    let table = batch_size * decl.shape.len() as u64 * 8;
-                    Ragged {
-                        data_offset: (offset + table).next_multiple_of(FIELD_ALIGN),
-                        row_stride: max.max(1).next_multiple_of(FIELD_ALIGN),
-                    }
-                });
-                let field = FieldLayout { name: decl.name, dtype: decl.dtype, shape: decl.shape, offset, ragged };
-                let end = match ragged {
-                    Some(r) => r.data_offset + r.row_stride * batch_size,
-                    None => offset + field.sample_bytes() * batch_size,
-                };
-                offset = end.next_multiple_of(FIELD_ALIGN);
-                field
-            })
-            .collect();
-        BatchLayout { batch_size, slot_bytes: offset.max(1).next_multiple_of(SLOT_ALIGN), fields }
+    /// Lays out `fields` field-major for `batch_size` rows, checking every
+    /// size against `limits` (and against overflow) before anything is
+    /// allocated for it.
+    pub fn new(
+        batch_size: u64,
+        fields: impl IntoIterator<Item = FieldDecl>,
+        limits: &LayoutLimits,
+    ) -> Result<Self, LayoutError> {
+        let decls: Vec<FieldDecl> = fields.into_iter().collect();
+        let mut rows = Vec::with_capacity(decls.len());
+        for decl in &decls {
+            let row = match decl.max_sample_bytes {
+                Some(max) => max.max(1).checked_next_multiple_of(FIELD_ALIGN),
+                None => fixed_sample_bytes(decl.dtype, &decl.shape),
+            };
+            match row {
+                Some(row) if row <= limits.max_sample_bytes => rows.push(row),
+                bytes => {
+                    return Err(LayoutError::SampleTooLarge {
+                        field: decl.name.clone(),
+                        dtype: decl.dtype,
+                        shape: decl.shape.clone(),
+                        ragged: decl.max_sample_bytes.is_some(),
+                        bytes,
+                        limit: limits.max_sample_bytes,
+                    });
+                }
+            }
+        }
+        let fits = |n: u64| place(n, &decls, &rows).is_some_and(|(slot, _)| slot <= limits.max_batch_bytes);
+        let too_large = |bytes: Option<u64>| {
+            // The largest batch size that fits: sizes grow with the rows, so bisect.
+            let (mut lo, mut hi) = (0u64, batch_size);
+            while lo < hi {
+                let mid = hi.saturating_sub(hi.abs_diff(lo) / 2);
+                if fits(mid) { lo = mid } else { hi = mid.saturating_sub(1) }
+            }
+            LayoutError::BatchTooLarge { batch_size, bytes, fits: lo, limit: limits.max_batch_bytes }
+        };
+        match place(batch_size, &decls, &rows) {
+            None => Err(too_large(None)),
+            Some((slot_bytes, _)) if slot_bytes > limits.max_batch_bytes => Err(too_large(Some(slot_bytes))),
+            Some((slot_bytes, fields)) => Ok(BatchLayout { batch_size, slot_bytes, fields }),
+        }
     }
 
     /// Bytes of the segment header in front of slot 0.
@@ -188,29 +334,34 @@ impl BatchLayout {
         RING_HEADER_BYTES
     }
 
-    /// Byte offset of `slot` from the start of the segment.
+    /// Byte offset of `slot` from the start of the segment (saturating, like [`BatchLayout::ring_bytes`]).
     pub fn slot_offset(&self, slot: u32) -> u64 {
-        RING_HEADER_BYTES + u64::from(slot) * self.slot_bytes
+        u64::from(slot).saturating_mul(self.slot_bytes).saturating_add(RING_HEADER_BYTES)
     }
 
-    /// Total segment size for a ring of `depth` slots.
+    /// Total segment size for a ring of `depth` slots; `None` when it overflows `u64`.
+    pub fn checked_ring_bytes(&self, depth: u32) -> Option<u64> {
+        u64::from(depth).checked_mul(self.slot_bytes)?.checked_add(RING_HEADER_BYTES)
+    }
+
+    /// Total segment size for a ring of `depth` slots (saturating: a size that
+    /// does not fit in 64 bits matches no real segment).
     pub fn ring_bytes(&self, depth: u32) -> u64 {
-        RING_HEADER_BYTES + u64::from(depth) * self.slot_bytes
+        self.checked_ring_bytes(depth).unwrap_or(u64::MAX)
     }
 }
 
 #[cfg(test)]
+#[allow(clippy::arithmetic_side_effects)]
 mod tests {
     use super::*;
 
+    fn decl(name: &str, dtype: DType, shape: Vec<u64>, max: Option<u64>) -> FieldDecl {
+        FieldDecl { name: name.into(), dtype, shape, max_sample_bytes: max }
+    }
+
     #[test]
     fn fields_are_aligned_and_disjoint() {
-        let decl = |name: &str, dtype, shape: Vec<u64>, max| FieldDecl {
-            name: name.into(),
-            dtype,
-            shape,
-            max_sample_bytes: max,
-        };
         let layout = BatchLayout::new(
             3,
             [
@@ -219,7 +370,9 @@ mod tests {
                 decl("img", DType::U8, vec![0, 0, 3], Some(1000)),
                 decl("c", DType::Bool, vec![], None),
             ],
-        );
+            &LayoutLimits::DEFAULT,
+        )
+        .unwrap();
         let mut end = 0;
         for f in &layout.fields {
             assert_eq!(f.offset % FIELD_ALIGN, 0);
@@ -236,5 +389,103 @@ mod tests {
         assert!(end <= layout.slot_bytes);
         assert_eq!(layout.slot_bytes % SLOT_ALIGN, 0);
         assert_eq!(layout.slot_offset(2), RING_HEADER_BYTES + 2 * layout.slot_bytes);
+    }
+
+    #[test]
+    fn ragged_room_beyond_the_sample_limit_names_field_size_and_key() {
+        // The issue's reproduction: max_sample_bytes = 2**58 with batch_size 64.
+        let err = BatchLayout::new(64, [decl("img", DType::U8, vec![0, 0, 3], Some(1 << 58))], &LayoutLimits::DEFAULT)
+            .unwrap_err();
+        let msg = err.to_string();
+        for needle in ["\"img\"", "288230376151711744", "[limits] max_sample_bytes", "1073741824"] {
+            assert!(msg.contains(needle), "{needle} missing from: {msg}");
+        }
+        // Even with no limit at all, the slot size overflows instead of wrapping.
+        let none = LayoutLimits { max_sample_bytes: u64::MAX, max_batch_bytes: u64::MAX };
+        let err = BatchLayout::new(64, [decl("img", DType::U8, vec![0, 0, 3], Some(1 << 58))], &none).unwrap_err();
+        assert!(matches!(err, LayoutError::BatchTooLarge { bytes: None, .. }), "{err:?}");
+        assert!(err.to_string().contains("more than 2^64 bytes"), "{err}");
+    }
+
+    #[test]
+    fn shapes_whose_size_overflows_are_errors_not_panics() {
+        let err = BatchLayout::new(2, [decl("x", DType::F64, vec![1 << 31, 1 << 31, 2], None)], &LayoutLimits::DEFAULT)
+            .unwrap_err();
+        assert!(matches!(err, LayoutError::SampleTooLarge { bytes: None, .. }), "{err:?}");
+        let none = LayoutLimits { max_sample_bytes: u64::MAX, max_batch_bytes: u64::MAX };
+        for (batch, shape) in [(u64::MAX, vec![2]), (1 << 40, vec![1 << 30]), (3, vec![u64::MAX / 2])] {
+            assert!(BatchLayout::new(batch, [decl("x", DType::U8, shape, None)], &none).is_err());
+        }
+        assert!(BatchLayout::new(u64::MAX, [decl("r", DType::U8, vec![0; 4], Some(1))], &none).is_err());
+    }
+
+    #[test]
+    fn batch_limit_suggests_a_batch_size_that_fits() {
+        let limits = LayoutLimits { max_sample_bytes: 1 << 30, max_batch_bytes: 1 << 20 };
+        // 16 KiB per row: 64 rows are exactly the limit.
+        let err = BatchLayout::new(100, [decl("x", DType::F32, vec![64, 64], None)], &limits).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("[limits] max_batch_bytes = 1048576") && msg.contains("100 rows"), "{msg}");
+        assert!(msg.contains("use batch_size 64 or less"), "{msg}");
+        BatchLayout::new(64, [decl("x", DType::F32, vec![64, 64], None)], &limits).unwrap();
+        // With alignment between fields, the suggestion is what really fits.
+        let fields = || [decl("a", DType::F32, vec![3], None), decl("b", DType::U8, vec![], None)];
+        let limits = LayoutLimits { max_sample_bytes: 1 << 30, max_batch_bytes: 8192 };
+        let LayoutError::BatchTooLarge { fits, .. } = BatchLayout::new(1000, fields(), &limits).unwrap_err() else {
+            panic!("a batch error")
+        };
+        BatchLayout::new(fits, fields(), &limits).unwrap();
+        assert!(BatchLayout::new(fits + 1, fields(), &limits).is_err());
+        // Nothing fits under one page.
+        let tiny = LayoutLimits { max_sample_bytes: 1 << 30, max_batch_bytes: 100 };
+        let msg = BatchLayout::new(1, fields(), &tiny).unwrap_err().to_string();
+        assert!(msg.contains("even one row does not fit"), "{msg}");
+    }
+
+    #[test]
+    fn hostile_sizes_never_panic_and_what_is_accepted_is_consistent() {
+        // Every combination of hostile dimensions, rooms and batch sizes, under
+        // the default limits and under none: an error, or a layout whose fields
+        // are aligned, disjoint, inside the slot, and within the limits.
+        let dims = [0u64, 1, 3, 1 << 31, 1 << 32, 1 << 63, u64::MAX];
+        let rooms = [None, Some(0), Some(1), Some(1 << 20), Some(1 << 58), Some(u64::MAX)];
+        let batches = [1u64, 7, 64, 1 << 16, 1 << 40, u64::MAX];
+        let none = LayoutLimits { max_sample_bytes: u64::MAX, max_batch_bytes: u64::MAX };
+        for limits in [LayoutLimits::DEFAULT, none] {
+            for &a in &dims {
+                for &b in &dims {
+                    for &room in &rooms {
+                        for &batch in &batches {
+                            let fields = [
+                                decl("s", DType::U8, vec![], None),
+                                decl("x", DType::F64, vec![a, b], None),
+                                decl("r", DType::U16, vec![a, 0, b], room),
+                            ];
+                            let Ok(layout) = BatchLayout::new(batch, fields, &limits) else { continue };
+                            assert!(layout.slot_bytes <= limits.max_batch_bytes);
+                            let mut end = 0u64;
+                            for f in &layout.fields {
+                                assert!(f.offset >= end && f.offset % FIELD_ALIGN == 0);
+                                assert!(f.sample_bytes() <= limits.max_sample_bytes);
+                                let data = f.ragged.map_or(f.offset, |r| r.data_offset);
+                                end = data + f.sample_bytes() * batch;
+                            }
+                            assert!(end <= layout.slot_bytes);
+                            assert!(layout.checked_ring_bytes(1024).is_some() || limits == none);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn ring_sizes_saturate_instead_of_wrapping() {
+        let layout = BatchLayout { batch_size: 1, slot_bytes: u64::MAX / 2, fields: vec![] };
+        assert_eq!(layout.checked_ring_bytes(4), None);
+        assert_eq!(layout.ring_bytes(4), u64::MAX);
+        assert_eq!(layout.slot_offset(u32::MAX), u64::MAX);
+        let field = FieldLayout { name: "x".into(), dtype: DType::F64, shape: vec![u64::MAX], offset: 0, ragged: None };
+        assert_eq!(field.sample_bytes(), u64::MAX);
     }
 }

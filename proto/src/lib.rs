@@ -12,8 +12,8 @@ mod layout;
 mod message;
 
 pub use layout::{
-    BatchLayout, DType, FIELD_ALIGN, FieldDecl, FieldLayout, RING_HEADER_BYTES, RING_LAYOUT_VERSION, RING_MAGIC,
-    Ragged, SLOT_ALIGN,
+    BatchLayout, DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_SAMPLE_BYTES, DType, FIELD_ALIGN, FieldDecl, FieldLayout,
+    LayoutError, LayoutLimits, RING_HEADER_BYTES, RING_LAYOUT_VERSION, RING_MAGIC, Ragged, SLOT_ALIGN,
 };
 pub use message::{
     BatchReady, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, DatasetSkips, ErrorKind, LmdbDataset, LmdbFieldDef,

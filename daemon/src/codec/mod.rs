@@ -32,14 +32,28 @@ pub struct ArrayInfo {
 }
 
 impl ArrayInfo {
-    /// Bytes of the decoded value.
+    /// Bytes of the decoded value (saturating: a size beyond `usize` fails
+    /// every limit check instead of wrapping to a small one).
     pub fn bytes(&self) -> usize {
-        self.elements() * self.dtype.size()
+        self.checked_bytes().and_then(|b| usize::try_from(b).ok()).unwrap_or(usize::MAX)
     }
 
-    /// Number of elements.
+    /// Bytes of the decoded value; `None` when that overflows `u64`.
+    pub fn checked_bytes(&self) -> Option<u64> {
+        self.shape.iter().try_fold(self.dtype.size() as u64, |acc, &d| acc.checked_mul(d))
+    }
+
+    /// Number of elements (saturating).
     pub fn elements(&self) -> usize {
-        self.shape.iter().product::<u64>() as usize
+        self.shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(usize::try_from(d).ok()?)).unwrap_or(usize::MAX)
+    }
+
+    /// Fails unless the value fits in `max_bytes` (`[limits] max_sample_bytes`).
+    pub fn check_size(&self, max_bytes: u64) -> Result<usize, CodecError> {
+        match self.checked_bytes() {
+            Some(b) if b <= max_bytes => Ok(usize::try_from(b).expect("at most max_bytes, which fits in memory")),
+            bytes => Err(CodecError::TooLarge { found: self.clone(), bytes, limit: max_bytes }),
+        }
     }
 }
 
@@ -156,6 +170,20 @@ pub enum CodecError {
         wrap: &'static str,
         /// What failed.
         message: String,
+    },
+    /// The value's header declares more bytes than the limit (checked before decoding).
+    #[error(
+        "value decodes to {found}, {size}, more than [limits] max_sample_bytes = {limit} bytes; crop or \
+         downscale such values when writing the dataset (or ask the daemon's admin to raise the limit)",
+        size = bytes.map_or_else(|| "more than 2^64 bytes".to_string(), |b| format!("{b} bytes"))
+    )]
+    TooLarge {
+        /// What the header declares.
+        found: ArrayInfo,
+        /// Its bytes; `None` when that does not fit in 64 bits.
+        bytes: Option<u64>,
+        /// The limit in force.
+        limit: u64,
     },
     /// The value decodes to a different dtype or shape than the field expects.
     #[error("value decodes to {found} but the field expects {expected}")]
@@ -294,16 +322,19 @@ impl Codec {
 
     /// Decodes `value` into `out` (resized to fit) and returns what it holds.
     /// For variable shapes and for values a transform works on next; a
-    /// wrapped value is decompressed once.
+    /// wrapped value is decompressed once. The size the header declares is
+    /// checked against `max_bytes` before `out` grows.
     pub fn decode(
         &self,
         value: &[u8],
         out: &mut impl DecodeOutput,
         scratch: &mut Vec<u8>,
+        max_bytes: u64,
     ) -> Result<ArrayInfo, CodecError> {
         if let Format::Raw(layout) = &self.format {
             let info = layout.info();
-            self.decode_into(value, &info, out.alloc(info.bytes()), scratch)?;
+            let bytes = info.check_size(max_bytes)?;
+            self.decode_into(value, &info, out.alloc(bytes), scratch)?;
             return Ok(info);
         }
         let plain: &[u8] = match self.wrap {
@@ -316,16 +347,21 @@ impl Codec {
         match self.format {
             Format::Npy => {
                 let (header, body) = npy::Header::parse(plain)?;
-                header.copy_body(body, out.alloc(header.info.bytes()))?;
+                let bytes = header.info.check_size(max_bytes)?;
+                // A header claiming more than the body holds fails before the allocation.
+                header.check_body_len(body, bytes)?;
+                header.copy_body(body, out.alloc(bytes))?;
                 Ok(header.info)
             }
             Format::Png => {
                 let info = image::probe_png(plain)?;
-                image::decode_png(plain, Some(&info), out.alloc(info.bytes()))
+                let bytes = info.check_size(max_bytes)?;
+                image::decode_png(plain, Some(&info), out.alloc(bytes))
             }
             _ => {
                 let info = image::probe_jpeg(plain)?;
-                image::decode_jpeg(plain, Some(&info), out.alloc(info.bytes()))
+                let bytes = info.check_size(max_bytes)?;
+                image::decode_jpeg(plain, Some(&info), out.alloc(bytes))
             }
         }
     }
@@ -412,6 +448,11 @@ impl AlignedBuf {
     /// Bytes held.
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Bytes allocated (what the buffer keeps between uses).
+    pub fn capacity(&self) -> usize {
+        self.raw.capacity()
     }
 
     /// Whether the buffer is empty.

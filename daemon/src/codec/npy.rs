@@ -85,16 +85,21 @@ impl Header {
         Ok(Header { info: ArrayInfo { dtype, shape }, order, fortran })
     }
 
-    /// Copies the body (all of it, nothing after) into `dst` in C order, native-endian.
-    pub(super) fn copy_body(&self, body: &[u8], dst: &mut [u8]) -> Result<(), CodecError> {
-        if body.len() != dst.len() {
+    /// Fails unless `body` holds exactly `bytes` (the array's size).
+    pub(super) fn check_body_len(&self, body: &[u8], bytes: usize) -> Result<(), CodecError> {
+        if body.len() != bytes {
             return Err(bad(format!(
-                "body has {} bytes but {} needs {} (truncated or trailing data)",
+                "body has {} bytes but {} needs {bytes} (truncated or trailing data)",
                 body.len(),
-                self.info,
-                dst.len()
+                self.info
             )));
         }
+        Ok(())
+    }
+
+    /// Copies the body (all of it, nothing after) into `dst` in C order, native-endian.
+    pub(super) fn copy_body(&self, body: &[u8], dst: &mut [u8]) -> Result<(), CodecError> {
+        self.check_body_len(body, dst.len())?;
         if self.needs_transpose() {
             fortran_to_c(body, dst, &self.info.shape, self.info.dtype.size());
         } else {

@@ -97,12 +97,14 @@ fn fixtures_decode_like_the_reference_tools() {
         compare(f, &info, &dst, &want);
 
         // Into a reusable buffer.
-        let got = codec.decode(&value, &mut buf, &mut scratch).unwrap_or_else(|e| panic!("{}: decode: {e}", f.file));
+        let got = codec
+            .decode(&value, &mut buf, &mut scratch, u64::MAX)
+            .unwrap_or_else(|e| panic!("{}: decode: {e}", f.file));
         assert_eq!(got, info, "{}", f.file);
         assert_eq!(buf.as_slice().as_ptr().addr() % BUF_ALIGN, 0);
         compare(f, &info, buf.as_slice(), &want);
         let mut vec = vec![1u8; 3];
-        assert_eq!(codec.decode(&value, &mut vec, &mut scratch).unwrap(), info);
+        assert_eq!(codec.decode(&value, &mut vec, &mut scratch, u64::MAX).unwrap(), info);
         compare(f, &info, &vec, &want);
     }
 }
@@ -213,7 +215,7 @@ fn corrupt_values_are_errors_not_panics() {
             *b ^= 0x5A;
         }
         // Flipped bytes may still decode (JPEG has no checksum); they must not panic.
-        let _ = codec.decode(&flipped, &mut buf, &mut scratch);
+        let _ = codec.decode(&flipped, &mut buf, &mut scratch, u64::MAX);
     }
 }
 
@@ -223,7 +225,7 @@ fn flipped_png_bytes_fail_the_checksums() {
     let mid = value.len() / 2;
     value[mid] ^= 0x01;
     let codec: Codec = "png".parse().unwrap();
-    assert!(codec.decode(&value, &mut AlignedBuf::new(), &mut Vec::new()).is_err());
+    assert!(codec.decode(&value, &mut AlignedBuf::new(), &mut Vec::new(), u64::MAX).is_err());
 }
 
 #[test]
@@ -262,4 +264,57 @@ fn aligned_buf_stays_aligned_as_it_grows() {
         assert_eq!(s.len(), len);
         assert_eq!(s.as_ptr().addr() % BUF_ALIGN, 0);
     }
+}
+
+/// A PNG that is only a signature and an IHDR declaring `width × height` RGB8.
+fn png_header_only(width: u32, height: u32) -> Vec<u8> {
+    let mut v = b"\x89PNG\r\n\x1a\n".to_vec();
+    v.extend_from_slice(&13u32.to_be_bytes());
+    v.extend_from_slice(b"IHDR");
+    v.extend_from_slice(&width.to_be_bytes());
+    v.extend_from_slice(&height.to_be_bytes());
+    v.extend_from_slice(&[8, 2, 0, 0, 0, 0, 0, 0, 0]);
+    v
+}
+
+#[test]
+fn image_sizes_from_the_header_are_checked_before_decoding() {
+    let codec: Codec = "png".parse().unwrap();
+    let value = png_header_only(1 << 20, 1 << 20);
+    let mut buf = AlignedBuf::new();
+    let err = codec.decode(&value, &mut buf, &mut Vec::new(), 1 << 30).unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, CodecError::TooLarge { bytes: Some(3298534883328), .. }), "{msg}");
+    assert!(msg.contains("[limits] max_sample_bytes") && msg.contains("3298534883328"), "{msg}");
+    assert_eq!(buf.len(), 0, "nothing was allocated");
+    // Within the limit, the same header goes on to decoding (and fails there: no pixel data).
+    let small = png_header_only(4, 4);
+    let err = codec.decode(&small, &mut buf, &mut Vec::new(), 1 << 30).unwrap_err();
+    assert!(!matches!(err, CodecError::TooLarge { .. }), "{err}");
+}
+
+#[test]
+fn npy_header_claiming_more_than_its_body_fails_before_allocating() {
+    let header = "{'descr': '<f8', 'fortran_order': False, 'shape': (1048576, 1048576), }";
+    let mut value = b"\x93NUMPY\x01\x00".to_vec();
+    let padded = format!("{header:<118}\n");
+    value.extend_from_slice(&(padded.len() as u16).to_le_bytes());
+    value.extend_from_slice(padded.as_bytes());
+    value.extend_from_slice(&[0u8; 64]);
+    let codec: Codec = "npy".parse().unwrap();
+    let mut out = Vec::new();
+    let err = codec.decode(&value, &mut out, &mut Vec::new(), 1 << 30).unwrap_err();
+    assert!(matches!(err, CodecError::TooLarge { .. }), "{err}");
+    // No limit at all: the body length is checked before the 8 TiB buffer would be made.
+    let err = codec.decode(&value, &mut out, &mut Vec::new(), u64::MAX).unwrap_err();
+    assert!(err.to_string().contains("body has 64 bytes"), "{err}");
+    assert!(out.capacity() < 1 << 20);
+}
+
+#[test]
+fn array_sizes_saturate_instead_of_wrapping() {
+    let info = ArrayInfo { dtype: DType::F64, shape: vec![1 << 31, 1 << 31, 4] };
+    assert_eq!(info.checked_bytes(), None);
+    assert_eq!(info.bytes(), usize::MAX);
+    assert!(matches!(info.check_size(u64::MAX), Err(CodecError::TooLarge { bytes: None, .. })));
 }

@@ -40,12 +40,15 @@ use stoker_proto::DType;
 
 use super::{FieldOut, FieldSpec, LmdbReadError, SampleRef, Source, SourceError};
 use crate::codec::{AlignedBuf, ArrayInfo, Codec, CodecError};
-use crate::transform::{self, ArrayRef, Chain, Pair, SampleKey, Step};
+use crate::transform::{self, ArrayRef, Chain, Pair, SampleKey, Step, TransformError};
 
 /// How many keys are probed at open unless the spec says otherwise.
 pub const DEFAULT_PROBE: usize = 8;
 /// Under `on_error = "skip"`, how many samples after a bad one are tried before giving up.
 pub const MAX_SUBSTITUTES: u64 = 1024;
+/// A worker whose buffers grew beyond this is dropped after its read instead
+/// of pooled, so memory follows the values being read, not the largest ever.
+const KEEP_WORKER_BYTES: usize = 256 << 20;
 
 /// One field of an LMDB dataset.
 #[derive(Debug, Clone)]
@@ -108,6 +111,9 @@ pub struct LmdbSpec {
     pub probe: usize,
     /// When set, every environment and the key file must lie under one of these.
     pub allowed_roots: Option<Vec<PathBuf>>,
+    /// Most bytes one value may take decoded and after every transform step
+    /// (`[limits] max_sample_bytes`); checked from headers before allocating.
+    pub max_value_bytes: u64,
 }
 
 impl LmdbSpec {
@@ -120,6 +126,7 @@ impl LmdbSpec {
             on_error: OnError::default(),
             probe: DEFAULT_PROBE,
             allowed_roots: None,
+            max_value_bytes: stoker_proto::DEFAULT_MAX_SAMPLE_BYTES,
         }
     }
 }
@@ -156,6 +163,7 @@ pub struct LmdbSource {
     envs: Vec<Arc<SharedEnv>>,
     on_error: OnError,
     probe: usize,
+    max_value_bytes: u64,
     skipped: AtomicU64,
     logged: Mutex<HashSet<u64>>,
     workers: Mutex<Vec<Worker>>,
@@ -192,6 +200,15 @@ struct FieldPlan {
     shape: Vec<Option<u64>>,
     /// Room per row when the shape varies.
     max_sample_bytes: u64,
+}
+
+impl Worker {
+    /// Bytes the worker's buffers keep between reads.
+    fn retained_bytes(&self) -> usize {
+        [self.scratch.capacity(), self.decoded.capacity(), self.transform.capacity()]
+            .into_iter()
+            .fold(0, usize::saturating_add)
+    }
 }
 
 impl FieldPlan {
@@ -277,7 +294,8 @@ impl LmdbSource {
         let mut chains = Vec::with_capacity(spec.fields.len());
         for field in &spec.fields {
             let chain = Chain::new(&field.name, field.transforms.clone(), field.pair.clone())
-                .map_err(|e| field_err(field, e.to_string()))?;
+                .map_err(|e| field_err(field, e.to_string()))?
+                .with_limit(spec.max_value_bytes);
             chains.push(chain);
         }
         let mut leaders = Vec::with_capacity(spec.fields.len());
@@ -300,14 +318,23 @@ impl LmdbSource {
         let mut plans = Vec::with_capacity(spec.fields.len());
         for (i, (field, chain)) in spec.fields.iter().zip(chains).enumerate() {
             let env = &envs[env_of[i]];
-            let (dtype, decoded_shape, largest) = probe_field(env, field, &keys, probe, spec.on_error)?;
+            let (dtype, decoded_shape, largest) =
+                probe_field(env, field, &keys, probe, spec.on_error, spec.max_value_bytes)?;
             let decoded =
                 decoded_shape.iter().copied().collect::<Option<Vec<u64>>>().map(|shape| ArrayInfo { dtype, shape });
             let decoded_dtype = dtype;
             let (dtype, shape) = if chain.is_empty() {
                 (dtype, decoded_shape)
             } else {
-                chain.output(dtype, &decoded_shape).map_err(|e| field_err(field, e.to_string()))?
+                chain.output(dtype, &decoded_shape).map_err(|e| match e {
+                    // A transform that makes values too large is a limit, not a malformed field.
+                    TransformError::TooLarge { .. } => SourceError::Limit(format!(
+                        "LMDB environment {} (codec {}): {e}",
+                        field.env.display(),
+                        field.codec
+                    )),
+                    e => field_err(field, e.to_string()),
+                })?
             };
             plans.push(FieldPlan {
                 name: field.name.clone(),
@@ -319,8 +346,9 @@ impl LmdbSource {
                 decoded,
                 max_sample_bytes: field.max_sample_bytes.unwrap_or_else(|| {
                     // Casting to a wider type (to f32, say) widens every value.
+                    // Never more than a value may take at all.
                     let widen = (dtype.size() as u64).div_ceil(decoded_dtype.size() as u64).max(1);
-                    (2 * largest * widen).max(1 << 20)
+                    largest.saturating_mul(2).saturating_mul(widen).max(1 << 20).min(spec.max_value_bytes)
                 }),
                 dtype,
                 shape,
@@ -347,6 +375,7 @@ impl LmdbSource {
             envs,
             on_error: spec.on_error,
             probe,
+            max_value_bytes: spec.max_value_bytes,
             skipped: AtomicU64::new(0),
             logged: Mutex::new(HashSet::new()),
             workers: Mutex::new(Vec::new()),
@@ -412,7 +441,10 @@ impl LmdbSource {
     fn read_index(&self, sample: SampleRef, out: &mut [LmdbOut<'_>]) -> Result<(), SourceError> {
         let mut worker = self.workers.lock().unwrap_or_else(PoisonError::into_inner).pop().unwrap_or_default();
         let result = self.read_with(&mut worker, sample, out);
-        self.workers.lock().unwrap_or_else(PoisonError::into_inner).push(worker);
+        // One huge value must not pin its buffers for the life of the dataset.
+        if worker.retained_bytes() <= KEEP_WORKER_BYTES {
+            self.workers.lock().unwrap_or_else(PoisonError::into_inner).push(worker);
+        }
         result
     }
 
@@ -476,13 +508,13 @@ impl LmdbSource {
                     layout.clone()
                 }
                 LmdbOut::Variable { bytes, shape } => {
-                    let info = plan.codec.decode(value, *bytes, scratch).map_err(codec_err)?;
+                    let info = plan.codec.decode(value, *bytes, scratch, self.max_value_bytes).map_err(codec_err)?;
                     shape.clone_from(&info.shape);
                     info
                 }
                 LmdbOut::Ragged { data, shape } => {
                     let info = plan.codec.probe(value).map_err(codec_err)?;
-                    let n = fits(&info.shape, info.dtype, data.len()).map_err(err)?;
+                    let n = fits(plan, &info.shape, info.dtype, data.len()).map_err(err)?;
                     plan.codec.decode_into(value, &info, &mut data[..n], scratch).map_err(codec_err)?;
                     shape.copy_from_slice(&info.shape);
                     info
@@ -501,7 +533,7 @@ impl LmdbSource {
             }
             return Ok(());
         }
-        let info = plan.codec.decode(value, decoded, scratch).map_err(codec_err)?;
+        let info = plan.codec.decode(value, decoded, scratch, self.max_value_bytes).map_err(codec_err)?;
         let leader_shape = plan.leader.and_then(|l| shapes[l].as_deref());
         let known: Vec<Option<u64>> = info.shape.iter().map(|&d| Some(d)).collect();
         let (out_dtype, out_shape) = chain.output(info.dtype, &known).map_err(|e| err(e.to_string()))?;
@@ -536,7 +568,7 @@ impl LmdbSource {
                 shape.clone_from(&out_shape);
             }
             LmdbOut::Ragged { data, shape } => {
-                let n = fits(&out_shape, out_dtype, data.len()).map_err(err)?;
+                let n = fits(plan, &out_shape, out_dtype, data.len()).map_err(err)?;
                 apply(&mut data[..n], transform)?;
                 shape.copy_from_slice(&out_shape);
             }
@@ -720,6 +752,7 @@ fn probe_field(
     keys: &Keys,
     probe: usize,
     on_error: OnError,
+    max_bytes: u64,
 ) -> Result<(DType, Vec<Option<u64>>, u64), SourceError> {
     let field_err = |message: String| SourceError::LmdbField {
         env: field.env.clone(),
@@ -738,7 +771,11 @@ fn probe_field(
             .get(&rtxn, key)
             .map_err(|e| read_err(e.to_string()))
             .and_then(|value| value.ok_or_else(|| read_err("the key is missing".into())))
-            .and_then(|value| field.codec.probe(value).map_err(|e| read_err(e.to_string())));
+            .and_then(|value| field.codec.probe(value).map_err(|e| read_err(e.to_string())))
+            .and_then(|info| match info.check_size(max_bytes) {
+                Ok(_) => Ok(info),
+                Err(e) => Err(read_err(e.to_string())),
+            });
         let info = match (probed, on_error) {
             (Ok(info), _) => info,
             (Err(e), OnError::Fail) => return Err(e),
@@ -747,7 +784,7 @@ fn probe_field(
                 continue;
             }
         };
-        largest = largest.max(info.bytes() as u64);
+        largest = largest.max(info.checked_bytes().unwrap_or(u64::MAX));
         match &mut merged {
             None => merged = Some((info.dtype, info.shape.iter().map(|&d| Some(d)).collect(), show_key(key))),
             Some((dtype, shape, first_key)) => {
@@ -772,16 +809,27 @@ fn probe_field(
     Ok((dtype, shape, largest))
 }
 
-/// Bytes of a `shape` array of `dtype`, if it fits in a ragged row of `room` bytes.
-fn fits(shape: &[u64], dtype: DType, room: usize) -> Result<usize, String> {
-    let n = shape.iter().product::<u64>() as usize * dtype.size();
-    if n > room {
+/// Bytes of a `shape` array of `dtype`, if it fits in a ragged row of `room`
+/// bytes and has the field's dtype and number of dimensions (`plan`).
+fn fits(plan: &FieldPlan, shape: &[u64], dtype: DType, room: usize) -> Result<usize, String> {
+    if dtype != plan.dtype || shape.len() != plan.shape.len() {
+        let laid_out: Vec<String> = plan.shape.iter().map(|d| d.map_or("*".into(), |d| d.to_string())).collect();
         return Err(format!(
-            "the value is {dtype} {shape:?} ({n} bytes), more than the {room} bytes reserved per sample of this \
-             variable-shape field; raise the field's max_sample_bytes"
+            "the value is {dtype} {shape:?} but this variable-shape field was laid out as {} [{}] from the first \
+             keys; a field's values must share dtype and number of dimensions",
+            plan.dtype,
+            laid_out.join(", ")
         ));
     }
-    Ok(n)
+    let n = shape.iter().try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d));
+    match n.and_then(|n| usize::try_from(n).ok()) {
+        Some(n) if n <= room => Ok(n),
+        _ => Err(format!(
+            "the value is {dtype} {shape:?} ({}), more than the {room} bytes reserved per sample of this \
+             variable-shape field; raise the field's max_sample_bytes",
+            n.map_or_else(|| "more than 2^64 bytes".to_string(), |n| format!("{n} bytes"))
+        )),
+    }
 }
 
 /// What `stoker inspect` reports about one environment.

@@ -219,6 +219,10 @@ pub enum SourceError {
     /// Reading or decoding one value of an LMDB dataset failed (boxed to keep errors small).
     #[error("{0}")]
     LmdbRead(Box<LmdbReadError>),
+    /// A size the dataset declares (a shape, a transform's output) exceeds a
+    /// `[limits]` value or 64 bits; the message names file, field, size and key.
+    #[error("{0}")]
+    Limit(String),
     /// Reading a sample failed.
     #[error("{path}: field {field:?} ({h5path:?}), sample {index} (row {row} of the file): {message}")]
     Read {

@@ -132,6 +132,26 @@ pub enum TransformError {
         /// What does not fit.
         message: String,
     },
+    /// A step would make an array larger than the limit (checked before anything is allocated).
+    #[error(
+        "field {field:?}: {step} makes a {dtype} {shape:?} array of {size}, more than [limits] max_sample_bytes \
+         = {limit} bytes; use smaller sizes in the field's transforms (or ask the daemon's admin to raise the limit)",
+        size = bytes.map_or_else(|| "more than 2^64 bytes".to_string(), |b| format!("{b} bytes"))
+    )]
+    TooLarge {
+        /// The field.
+        field: String,
+        /// The step (or "the decoded value" for the chain's input).
+        step: String,
+        /// Element type at that point.
+        dtype: DType,
+        /// `[h, w, c]` at that point.
+        shape: Vec<u64>,
+        /// Its bytes; `None` when that does not fit in 64 bits.
+        bytes: Option<u64>,
+        /// The limit in force.
+        limit: u64,
+    },
 }
 
 /// Buffers a chain reuses between samples (one per worker).
@@ -150,6 +170,8 @@ pub struct Chain {
     pair: Option<Pair>,
     /// Hash of the field whose draws this chain makes (its own, or `pair.with`).
     group: u64,
+    /// Most bytes the array may take at any step (`[limits] max_sample_bytes`).
+    max_bytes: u64,
 }
 
 impl Chain {
@@ -198,7 +220,14 @@ impl Chain {
             }
         }
         let group = fnv1a(pair.as_ref().map_or(field, |p| p.with.as_str()).as_bytes());
-        Ok(Chain { field: field.to_string(), steps, pair, group })
+        Ok(Chain { field: field.to_string(), steps, pair, group, max_bytes: stoker_proto::DEFAULT_MAX_SAMPLE_BYTES })
+    }
+
+    /// Sets the most bytes the array may take at any step; [`Chain::output`]
+    /// (and so [`Chain::apply`]) checks every step against it before allocating.
+    pub fn with_limit(mut self, max_bytes: u64) -> Chain {
+        self.max_bytes = max_bytes;
+        self
     }
 
     /// The field this chain belongs to.
@@ -256,7 +285,9 @@ impl Chain {
     }
 
     /// Dtype and shape out of the chain for an input of `dtype` and `shape`
-    /// (`None` marks a dimension that varies between samples).
+    /// (`None` marks a dimension that varies between samples). Checks the
+    /// array's size after every step against the chain's limit, where the
+    /// size is known (an unknown channel count counts as 1).
     pub fn output(&self, dtype: DType, shape: &[Option<u64>]) -> Result<(DType, Vec<Option<u64>>), TransformError> {
         let input = |message: String| TransformError::Input { field: self.field.clone(), message };
         let (mut h, mut w, c, planar) = match *shape {
@@ -269,6 +300,23 @@ impl Chain {
                 )));
             }
         };
+        let check = |step: &dyn Fn() -> String, h: Option<u64>, w: Option<u64>, dtype: DType| {
+            let (Some(h), Some(w)) = (h, w) else { return Ok(()) };
+            let c = c.unwrap_or(1);
+            let bytes = [w, c, dtype.size() as u64].into_iter().try_fold(h, |acc, d| acc.checked_mul(d));
+            match bytes {
+                Some(b) if b <= self.max_bytes => Ok(()),
+                bytes => Err(TransformError::TooLarge {
+                    field: self.field.clone(),
+                    step: step(),
+                    dtype,
+                    shape: vec![h, w, c],
+                    bytes,
+                    limit: self.max_bytes,
+                }),
+            }
+        };
+        check(&|| "the decoded value".to_string(), h, w, dtype)?;
         let mut dtype_out = dtype;
         let mut chw = false;
         for step in &self.steps {
@@ -298,6 +346,7 @@ impl Chain {
                 }
                 Step::ToChw => chw = true,
             }
+            check(&|| step.describe(), h, w, dtype_out)?;
         }
         let shape = match (chw, planar) {
             (true, _) => vec![c, h, w],
@@ -411,6 +460,19 @@ impl Chain {
 }
 
 impl Step {
+    /// The step as the config spells it, for messages.
+    fn describe(&self) -> String {
+        match self {
+            Step::CenterCrop { height, width } => format!("center_crop {height}×{width}"),
+            Step::RandomCrop { height, width } => format!("random_crop {height}×{width}"),
+            Step::Resize { height, width, .. } => format!("resize to {height}×{width}"),
+            Step::RandomHFlip => "hflip".into(),
+            Step::ToF32 { .. } => "to_f32".into(),
+            Step::Normalize { .. } => "normalize".into(),
+            Step::ToChw => "chw".into(),
+        }
+    }
+
     /// Whether the step moves pixels (and so must match between paired chains).
     fn is_geometric(&self) -> bool {
         matches!(self, Step::CenterCrop { .. } | Step::RandomCrop { .. } | Step::Resize { .. } | Step::RandomHFlip)
@@ -472,6 +534,11 @@ impl Scratch {
     /// A new, empty scratch.
     pub fn new() -> Scratch {
         Scratch::default()
+    }
+
+    /// Bytes the two working buffers keep between samples (the resizer's own are small).
+    pub fn capacity(&self) -> usize {
+        self.a.capacity().saturating_add(self.b.capacity())
     }
 
     fn slice<'a>(&'a self, input: &'a [u8], backing: Backing) -> &'a [u8] {

@@ -120,7 +120,10 @@ impl Hdf5Source {
                 None => specs = Some(file_specs),
                 Some(first) => check_same_fields(&path, first, &file_specs, &files[0].path)?,
             }
-            starts.push(starts.last().expect("starts is never empty") + samples);
+            let total = starts.last().expect("starts is never empty").checked_add(samples).ok_or_else(|| {
+                SourceError::Limit(format!("{pattern:?}: the files together hold more than 2^64 samples"))
+            })?;
+            starts.push(total);
             files.push(file);
         }
         let fields = specs.expect("expand returns at least one file");
@@ -293,6 +296,22 @@ fn open_file(
             h5path: h5path.clone(),
             found,
         })?;
+        // Offsets into the dataset and the sample's size must fit in 64 bits
+        // (and in memory) before any of them is computed.
+        let sample_bytes = sample_shape.iter().try_fold(dtype.size() as u64, |acc: u64, &d| acc.checked_mul(d));
+        let total_bytes = shape.iter().try_fold(dtype.size() as u64, |acc: u64, &d| acc.checked_mul(d));
+        if sample_bytes.is_none_or(|b| b > isize::MAX as u64) || total_bytes.is_none() {
+            let what = if sample_bytes.is_none_or(|b| b > isize::MAX as u64) {
+                format!("one sample of {dtype} {sample_shape:?}")
+            } else {
+                format!("the whole dataset ({dtype} {shape:?})")
+            };
+            return Err(SourceError::Limit(format!(
+                "{}: field {name:?} ({h5path:?}) has shape {shape:?}: {what} takes more than 2^63 bytes; stoker cannot \
+                 serve it (check the file; [limits] max_sample_bytes bounds what a sample may take)",
+                path.display()
+            )));
+        }
         let mem_type = hdf5::Datatype::from_descriptor(&descriptor).map_err(|e| field_err(e.to_string()))?;
         let reader = FieldReader::new(dataset, dtype, &file_type, mem_type, cache.new_id(), spec.fast_path)
             .map_err(field_err)?;
@@ -311,8 +330,14 @@ fn open_file(
         (Some(_), _) => 0,
         (None, _) => 1,
     };
+    let samples = items.checked_mul(windows).ok_or_else(|| {
+        SourceError::Limit(format!(
+            "{}: {items} items × {windows} windows per item is more than 2^64 samples; check the file's shapes",
+            path.display()
+        ))
+    })?;
     let file = Hdf5File { path: path.to_owned(), _h5: h5, raw, fields: readers, windows: windows.max(1) };
-    Ok((file, specs, items * windows))
+    Ok((file, specs, samples))
 }
 
 /// Maps an HDF5 file type to the dtype served, or describes what it is.
