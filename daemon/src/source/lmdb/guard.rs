@@ -1,0 +1,462 @@
+//! Guarded access to an LMDB environment's memory map: every LMDB call that
+//! reads the map (transaction begin, lookups, cursor steps, copying a value
+//! out) runs in the C shim `daemon/csrc/lmdb_guard.c` under `sigsetjmp`, so a
+//! SIGBUS (the file shrank under the map) or SIGSEGV (a corrupt page points
+//! outside it) becomes a [`GuardError::Corrupt`] for that read, and the
+//! environment is poisoned: later reads fail at once with the same message.
+//!
+//! Rust code never dereferences the map: [`Value`] is an address and a length
+//! checked against the pages the environment uses, and its bytes reach Rust
+//! only through [`Txn::copy`]. The only module of the daemon that calls LMDB.
+
+#![allow(unsafe_code)]
+
+use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_void};
+use std::fmt;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::ptr::{self, NonNull};
+use std::sync::{Once, OnceLock};
+
+use lmdb_master_sys as ffi;
+use ffi::{MDB_cursor, MDB_dbi, MDB_env, MDB_txn};
+
+/// A guarded call was cut short by SIGBUS.
+const STOKER_SIGBUS: c_int = -31001;
+/// A guarded call was cut short by SIGSEGV.
+const STOKER_SIGSEGV: c_int = -31002;
+/// LMDB failed one of its internal assertions (debug builds of LMDB only).
+const STOKER_ASSERT: c_int = -31003;
+/// A key did not fit the buffer given.
+const STOKER_KEY_TOO_LONG: c_int = -31004;
+
+/// Longest key read while listing (LMDB's default limit is 511 bytes).
+const MAX_KEY: usize = 4096;
+
+const MDB_RDONLY: c_uint = 0x2_0000;
+const MDB_NOSUBDIR: c_uint = 0x4000;
+const MDB_NOLOCK: c_uint = 0x40_0000;
+const MDB_NORDAHEAD: c_uint = 0x80_0000;
+
+// The shim's functions (daemon/csrc/lmdb_guard.c). Each returns 0, an LMDB
+// error code, or one of the STOKER_* codes above.
+unsafe extern "C" {
+    fn stoker_guard_install() -> c_int;
+    fn stoker_guard_fault_addr() -> *mut c_void;
+    fn stoker_guard_assert_msg() -> *const c_char;
+    fn stoker_env_open(path: *const c_char, flags: c_uint, env: *mut *mut MDB_env, dbi: *mut MDB_dbi) -> c_int;
+    fn stoker_env_close(env: *mut MDB_env);
+    fn stoker_env_info(
+        env: *mut MDB_env,
+        dbi: MDB_dbi,
+        mapaddr: *mut *mut c_void,
+        last_pgno: *mut usize,
+        psize: *mut c_uint,
+        entries: *mut usize,
+    ) -> c_int;
+    fn stoker_txn_begin(env: *mut MDB_env, txn: *mut *mut MDB_txn) -> c_int;
+    fn stoker_txn_abort(txn: *mut MDB_txn);
+    fn stoker_get(
+        txn: *mut MDB_txn,
+        dbi: MDB_dbi,
+        key: *const c_void,
+        key_len: usize,
+        data: *mut *const c_void,
+        len: *mut usize,
+    ) -> c_int;
+    fn stoker_copy(dst: *mut c_void, src: *const c_void, len: usize) -> c_int;
+    fn stoker_cursor_open(txn: *mut MDB_txn, dbi: MDB_dbi, cursor: *mut *mut MDB_cursor) -> c_int;
+    fn stoker_cursor_close(cursor: *mut MDB_cursor);
+    fn stoker_cursor_next(
+        cursor: *mut MDB_cursor,
+        first: c_int,
+        key_buf: *mut c_void,
+        key_cap: usize,
+        key_len: *mut usize,
+        data: *mut *const c_void,
+        len: *mut usize,
+    ) -> c_int;
+}
+
+/// What went wrong reading an environment.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GuardError {
+    /// LMDB returned an error that says nothing about the file's integrity.
+    #[error("{0}")]
+    Lmdb(String),
+    /// The data file is truncated or corrupt; the environment is poisoned.
+    #[error("{0}")]
+    Corrupt(String),
+}
+
+/// A value inside the map: where it lies, checked against the used pages.
+#[derive(Debug, Clone, Copy)]
+pub struct Value {
+    addr: *const c_void,
+    len: usize,
+}
+
+impl Value {
+    /// The value's length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// An environment open read-only, without a lock file, with its map guarded.
+pub struct MappedEnv {
+    env: NonNull<MDB_env>,
+    dbi: MDB_dbi,
+    /// The data file (for messages).
+    data_file: PathBuf,
+    /// Start of the map and the bytes of it LMDB may legitimately read
+    /// (the pages up to the last used one, all present in the file at open).
+    map: (usize, usize),
+    /// Entries of the main database, per its root record.
+    entries: u64,
+    /// Set by the first read that found the file truncated or corrupt.
+    poisoned: OnceLock<String>,
+}
+
+// SAFETY: an LMDB environment may be shared between threads; opened with
+// MDB_NOLOCK each read transaction is used by one thread at a time (`Txn` is
+// neither Send nor Sync) and nothing writes through the environment.
+unsafe impl Send for MappedEnv {}
+// SAFETY: as above; `&MappedEnv` only begins read transactions.
+unsafe impl Sync for MappedEnv {}
+
+impl fmt::Debug for MappedEnv {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MappedEnv")
+            .field("data_file", &self.data_file)
+            .field("entries", &self.entries)
+            .field("poisoned", &self.poisoned.get())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for MappedEnv {
+    fn drop(&mut self) {
+        // SAFETY: every `Txn` borrows `self`, so none is alive; the pointer
+        // came from `stoker_env_open` and is closed once.
+        unsafe { stoker_env_close(self.env.as_ptr()) }
+    }
+}
+
+fn install_handler() {
+    static INSTALL: Once = Once::new();
+    INSTALL.call_once(|| {
+        // SAFETY: installs process-wide SIGBUS/SIGSEGV handlers that chain
+        // to the previous ones for faults outside guarded calls.
+        let rc = unsafe { stoker_guard_install() };
+        if rc != 0 {
+            tracing::warn!(
+                errno = rc,
+                "cannot install the SIGBUS/SIGSEGV handler: a truncated LMDB file will crash the daemon"
+            );
+        }
+    });
+}
+
+fn strerror(code: c_int) -> String {
+    // SAFETY: mdb_strerror returns a static string (or strerror's) for any code.
+    let text = unsafe { ffi::mdb_strerror(code) };
+    if text.is_null() {
+        return format!("LMDB error {code}");
+    }
+    // SAFETY: non-null, NUL-terminated, valid until the next strerror call on this thread.
+    unsafe { CStr::from_ptr(text) }.to_string_lossy().into_owned()
+}
+
+impl MappedEnv {
+    /// Opens `path` (a directory holding `data.mdb`, or with `single_file`
+    /// the data file) and checks the file holds every page the environment
+    /// says it uses, so a file truncated at rest is refused here.
+    pub fn open(path: &Path, single_file: bool) -> Result<MappedEnv, GuardError> {
+        install_handler();
+        let data_file = if single_file { path.to_owned() } else { path.join("data.mdb") };
+        let c_path = CString::new(path.as_os_str().as_bytes())
+            .map_err(|_| GuardError::Lmdb("the path contains a NUL byte".into()))?;
+        let mut flags = MDB_RDONLY | MDB_NOLOCK | MDB_NORDAHEAD;
+        if single_file {
+            flags |= MDB_NOSUBDIR;
+        }
+        let mut env = ptr::null_mut();
+        let mut dbi: MDB_dbi = 0;
+        // SAFETY: valid out-pointers and a NUL-terminated path; the shim sets
+        // `env` whenever mdb_env_create succeeded, even if opening failed.
+        let rc = unsafe { stoker_env_open(c_path.as_ptr(), flags, &mut env, &mut dbi) };
+        let Some(env) = NonNull::new(env) else {
+            return Err(GuardError::Lmdb(strerror(rc)));
+        };
+        let mut mapped = MappedEnv {
+            env,
+            dbi,
+            data_file,
+            map: (0, 0),
+            entries: 0,
+            poisoned: OnceLock::new(),
+        };
+        if rc != 0 {
+            return Err(mapped.error(rc, "opening"));
+        }
+        let (mut mapaddr, mut last_pgno, mut psize, mut entries) = (ptr::null_mut(), 0usize, 0, 0usize);
+        // SAFETY: an open environment and valid out-pointers.
+        let rc = unsafe {
+            stoker_env_info(mapped.env.as_ptr(), dbi, &mut mapaddr, &mut last_pgno, &mut psize, &mut entries)
+        };
+        if rc != 0 {
+            return Err(mapped.error(rc, "reading the environment's header"));
+        }
+        let file_len = mapped.file_len().map_err(|e| GuardError::Lmdb(format!("cannot stat the data file: {e}")))?;
+        let needed = (last_pgno as u64).checked_add(1).and_then(|pages| pages.checked_mul(u64::from(psize)));
+        match needed {
+            Some(needed) if needed <= file_len => {
+                mapped.map = (mapaddr as usize, usize::try_from(needed).unwrap_or(usize::MAX));
+            }
+            _ => {
+                return Err(mapped.poison(format!(
+                    "the file is {file_len} bytes but its header says it uses pages 0..={last_pgno} of {psize} \
+                     bytes ({} bytes): it was truncated",
+                    needed.map_or("more than 2^64".to_string(), |n| n.to_string())
+                )));
+            }
+        }
+        mapped.entries = entries as u64;
+        Ok(mapped)
+    }
+
+    /// Why the environment is unusable, once a read found it truncated or corrupt.
+    pub fn poisoned(&self) -> Option<&str> {
+        self.poisoned.get().map(String::as_str)
+    }
+
+    /// Begins a read transaction.
+    pub fn txn(&self) -> Result<Txn<'_>, GuardError> {
+        self.check()?;
+        let mut txn = ptr::null_mut();
+        // SAFETY: an open environment and a valid out-pointer.
+        let rc = unsafe { stoker_txn_begin(self.env.as_ptr(), &mut txn) };
+        match NonNull::new(txn) {
+            Some(txn) if rc == 0 => Ok(Txn { env: self, txn }),
+            _ => Err(self.error(rc, "beginning a read transaction")),
+        }
+    }
+
+    fn check(&self) -> Result<(), GuardError> {
+        match self.poisoned.get() {
+            Some(why) => Err(GuardError::Corrupt(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn file_len(&self) -> std::io::Result<u64> {
+        let mut fd: ffi::mdb_filehandle_t = -1;
+        // SAFETY: an open environment and a valid out-pointer.
+        let rc = unsafe { ffi::mdb_env_get_fd(self.env.as_ptr(), &mut fd) };
+        if rc != 0 || fd < 0 {
+            return std::fs::metadata(&self.data_file).map(|m| m.len());
+        }
+        // SAFETY: LMDB keeps the descriptor open until mdb_env_close, after this borrow ends.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        Ok(rustix::fs::fstat(fd)?.st_size.max(0) as u64)
+    }
+
+    /// Records `why` as the reason the environment is unusable and returns it as an error.
+    fn poison(&self, why: String) -> GuardError {
+        let message = format!(
+            "the data file {} is truncated or corrupt: {why}; rebuild or restore the environment (stoker will \
+             not read this copy again; a replaced file is opened afresh by the next stream)",
+            self.data_file.display()
+        );
+        let first = self.poisoned.get_or_init(|| message);
+        GuardError::Corrupt(first.clone())
+    }
+
+    /// Turns a shim return code into an error, poisoning on faults and corruption.
+    fn error(&self, rc: c_int, doing: &str) -> GuardError {
+        let offset = |addr: usize| match addr.checked_sub(self.map.0) {
+            Some(off) if self.map.0 != 0 => format!("map offset {off}"),
+            _ => format!("address {addr:#x}"),
+        };
+        match rc {
+            STOKER_SIGBUS => {
+                // SAFETY: reads this thread's record of its last fault.
+                let addr = unsafe { stoker_guard_fault_addr() } as usize;
+                self.poison(format!(
+                    "SIGBUS {doing} at {}: the file is shorter than its map (truncated or rewritten while served)",
+                    offset(addr)
+                ))
+            }
+            STOKER_SIGSEGV => {
+                // SAFETY: as above.
+                let addr = unsafe { stoker_guard_fault_addr() } as usize;
+                self.poison(format!("SIGSEGV {doing} at {}: a page points outside the file", offset(addr)))
+            }
+            STOKER_ASSERT => {
+                // SAFETY: the shim's thread-local buffer, always NUL-terminated.
+                let msg = unsafe { CStr::from_ptr(stoker_guard_assert_msg()) }.to_string_lossy().into_owned();
+                self.poison(format!("LMDB assertion failed {doing}: {msg}"))
+            }
+            ffi::MDB_CORRUPTED | ffi::MDB_PAGE_NOTFOUND | ffi::MDB_CURSOR_FULL => {
+                self.poison(format!("{doing}: {}", strerror(rc)))
+            }
+            _ => GuardError::Lmdb(format!("{doing}: {}", strerror(rc))),
+        }
+    }
+
+    /// `addr..addr+len` as a value inside the used pages, or poisons.
+    fn value(&self, addr: *const c_void, len: usize, doing: &str) -> Result<Value, GuardError> {
+        let (start, size) = self.map;
+        let inside = (addr as usize)
+            .checked_sub(start)
+            .and_then(|off| off.checked_add(len))
+            .is_some_and(|end| end <= size);
+        if !inside {
+            return Err(self.poison(format!(
+                "{doing}: a value of {len} bytes at address {:#x} lies outside the {size} bytes of used pages",
+                addr as usize
+            )));
+        }
+        Ok(Value { addr, len })
+    }
+}
+
+/// A read transaction; aborted when dropped.
+pub struct Txn<'e> {
+    env: &'e MappedEnv,
+    txn: NonNull<MDB_txn>,
+}
+
+impl fmt::Debug for Txn<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Txn").field("env", &self.env.data_file).finish_non_exhaustive()
+    }
+}
+
+impl Drop for Txn<'_> {
+    fn drop(&mut self) {
+        // SAFETY: the transaction came from stoker_txn_begin and is ended
+        // once; aborting a read transaction frees it without reading the map.
+        unsafe { stoker_txn_abort(self.txn.as_ptr()) }
+    }
+}
+
+impl Txn<'_> {
+    /// Looks `key` up: where its value lies in the map, or `None` when absent.
+    pub fn get(&self, key: &[u8]) -> Result<Option<Value>, GuardError> {
+        self.env.check()?;
+        let (mut data, mut len) = (ptr::null(), 0usize);
+        // SAFETY: a live transaction; `key` outlives the call; valid out-pointers.
+        let rc = unsafe {
+            stoker_get(self.txn.as_ptr(), self.env.dbi, key.as_ptr().cast(), key.len(), &mut data, &mut len)
+        };
+        match rc {
+            0 => self.env.value(data, len, "looking a key up").map(Some),
+            ffi::MDB_NOTFOUND => Ok(None),
+            rc => Err(self.env.error(rc, "looking a key up")),
+        }
+    }
+
+    /// Copies `value` (from this transaction) into `dst`, which must be exactly as long.
+    pub fn copy(&self, value: Value, dst: &mut [u8]) -> Result<(), GuardError> {
+        assert_eq!(dst.len(), value.len, "the destination holds exactly the value");
+        self.env.check()?;
+        // SAFETY: `value` lies inside the used pages of this environment's map
+        // (checked by `MappedEnv::value`) and stays mapped while the
+        // transaction lives; `dst` is a distinct, writable buffer of `len`
+        // bytes. A fault reading the map is caught by the shim.
+        let rc = unsafe { stoker_copy(dst.as_mut_ptr().cast(), value.addr, value.len) };
+        match rc {
+            0 => Ok(()),
+            rc => Err(self.env.error(rc, "copying a value out of the map")),
+        }
+    }
+
+    /// Reads the value of `key` into `buf` (resized to it); `false` when the key is absent.
+    pub fn read(&self, key: &[u8], buf: &mut Vec<u8>) -> Result<bool, GuardError> {
+        let Some(value) = self.get(key)? else { return Ok(false) };
+        buf.clear();
+        buf.resize(value.len, 0);
+        self.copy(value, buf)?;
+        Ok(true)
+    }
+
+    /// A cursor over the main database in key order.
+    pub fn cursor(&self) -> Result<Cursor<'_, '_>, GuardError> {
+        self.env.check()?;
+        let mut cursor = ptr::null_mut();
+        // SAFETY: a live transaction and a valid out-pointer.
+        let rc = unsafe { stoker_cursor_open(self.txn.as_ptr(), self.env.dbi, &mut cursor) };
+        match NonNull::new(cursor) {
+            Some(cursor) if rc == 0 => Ok(Cursor { txn: self, cursor, started: false, seen: 0, key: vec![0; MAX_KEY] }),
+            _ => Err(self.env.error(rc, "opening a cursor")),
+        }
+    }
+}
+
+/// A cursor walking the main database; closed when dropped.
+pub struct Cursor<'t, 'e> {
+    txn: &'t Txn<'e>,
+    cursor: NonNull<MDB_cursor>,
+    started: bool,
+    seen: u64,
+    key: Vec<u8>,
+}
+
+impl fmt::Debug for Cursor<'_, '_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Cursor").field("seen", &self.seen).finish_non_exhaustive()
+    }
+}
+
+impl Drop for Cursor<'_, '_> {
+    fn drop(&mut self) {
+        // SAFETY: opened by stoker_cursor_open in a transaction that is still
+        // alive (borrowed); closing only frees it.
+        unsafe { stoker_cursor_close(self.cursor.as_ptr()) }
+    }
+}
+
+impl Cursor<'_, '_> {
+    /// The next entry: its key (copied) and where its value lies; `None` at the end.
+    pub fn next_entry(&mut self) -> Result<Option<(&[u8], Value)>, GuardError> {
+        let env = self.txn.env;
+        env.check()?;
+        let (mut key_len, mut data, mut len) = (0usize, ptr::null(), 0usize);
+        // SAFETY: a live cursor; `self.key` is a writable buffer of its length; valid out-pointers.
+        let rc = unsafe {
+            stoker_cursor_next(
+                self.cursor.as_ptr(),
+                c_int::from(!self.started),
+                self.key.as_mut_ptr().cast(),
+                self.key.len(),
+                &mut key_len,
+                &mut data,
+                &mut len,
+            )
+        };
+        self.started = true;
+        match rc {
+            0 => {}
+            ffi::MDB_NOTFOUND => return Ok(None),
+            STOKER_KEY_TOO_LONG => {
+                return Err(env.poison(format!(
+                    "listing keys: entry {} has a key of {key_len} bytes (LMDB keys are at most {MAX_KEY})",
+                    self.seen
+                )));
+            }
+            rc => return Err(env.error(rc, "listing keys")),
+        }
+        self.seen += 1;
+        if self.seen > env.entries {
+            // A cycle among corrupt pages would otherwise walk forever.
+            return Err(env.poison(format!(
+                "listing keys: more entries than the {} the database records",
+                env.entries
+            )));
+        }
+        let value = env.value(data, len, "listing keys")?;
+        Ok(Some((&self.key[..key_len], value)))
+    }
+}
