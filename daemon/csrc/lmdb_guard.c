@@ -55,6 +55,7 @@ int mdb_env_open(MDB_env *env, const char *path, unsigned int flags, unsigned in
 void mdb_env_close(MDB_env *env);
 int mdb_env_set_assert(MDB_env *env, MDB_assert_func *func);
 int mdb_env_info(MDB_env *env, MDB_envinfo *stat);
+size_t mdb_txn_id(MDB_txn *txn);
 int mdb_txn_begin(MDB_env *env, MDB_txn *parent, unsigned int flags, MDB_txn **txn);
 void mdb_txn_abort(MDB_txn *txn);
 int mdb_dbi_open(MDB_txn *txn, const char *name, unsigned int flags, MDB_dbi *dbi);
@@ -181,35 +182,41 @@ int stoker_env_open(const char *path, unsigned int flags, MDB_env **env, MDB_dbi
 
 void stoker_env_close(MDB_env *env) { mdb_env_close(env); }
 
-/* The map's address, the last used page, the page size and the main database's entries. */
-int stoker_env_info(MDB_env *env, MDB_dbi dbi, void **mapaddr, size_t *last_pgno, unsigned int *psize,
-                    size_t *entries) {
-    int rc = 0;
-    GUARD({
-        MDB_envinfo info;
-        rc = mdb_env_info(env, &info);
-        if (rc == 0) {
-            MDB_txn *txn = NULL;
-            rc = mdb_txn_begin(env, NULL, MDB_RDONLY, &txn);
-            if (rc == 0) {
-                MDB_stat st;
-                rc = mdb_stat(txn, dbi, &st);
-                mdb_txn_abort(txn);
-                if (rc == 0) {
-                    *mapaddr = info.me_mapaddr;
-                    *last_pgno = info.me_last_pgno;
-                    *psize = st.ms_psize;
-                    *entries = st.ms_entries;
-                }
-            }
-        }
-    });
+/* What a read transaction sees of the file; a file not written while served never changes it. */
+typedef struct stoker_snapshot {
+    size_t txnid;
+    size_t last_pgno;
+    size_t entries;
+    size_t pages;
+    unsigned int psize;
+    unsigned int depth;
+} stoker_snapshot;
+
+/* Fills *snap for `txn` (reads the meta pages through mdb_env_info). */
+static int snapshot(MDB_env *env, MDB_txn *txn, MDB_dbi dbi, stoker_snapshot *snap) {
+    MDB_envinfo info;
+    MDB_stat st;
+    int rc = mdb_env_info(env, &info);
+    if (rc == 0) rc = mdb_stat(txn, dbi, &st);
+    if (rc == 0) {
+        snap->txnid = mdb_txn_id(txn);
+        snap->last_pgno = info.me_last_pgno;
+        snap->entries = st.ms_entries;
+        snap->pages = st.ms_branch_pages + st.ms_leaf_pages + st.ms_overflow_pages;
+        snap->psize = st.ms_psize;
+        snap->depth = st.ms_depth;
+    }
     return rc;
 }
 
-int stoker_txn_begin(MDB_env *env, MDB_txn **txn) {
+/* Begins a read transaction and describes what it sees; *txn is set (to abort) whenever it began. */
+int stoker_txn_begin(MDB_env *env, MDB_dbi dbi, MDB_txn **txn, stoker_snapshot *snap) {
     int rc = 0;
-    GUARD(rc = mdb_txn_begin(env, NULL, MDB_RDONLY, txn));
+    *txn = NULL;
+    GUARD({
+        rc = mdb_txn_begin(env, NULL, MDB_RDONLY, txn);
+        if (rc == 0) rc = snapshot(env, *txn, dbi, snap);
+    });
     return rc;
 }
 

@@ -46,15 +46,7 @@ unsafe extern "C" {
     fn stoker_guard_assert_msg() -> *const c_char;
     fn stoker_env_open(path: *const c_char, flags: c_uint, env: *mut *mut MDB_env, dbi: *mut MDB_dbi) -> c_int;
     fn stoker_env_close(env: *mut MDB_env);
-    fn stoker_env_info(
-        env: *mut MDB_env,
-        dbi: MDB_dbi,
-        mapaddr: *mut *mut c_void,
-        last_pgno: *mut usize,
-        psize: *mut c_uint,
-        entries: *mut usize,
-    ) -> c_int;
-    fn stoker_txn_begin(env: *mut MDB_env, txn: *mut *mut MDB_txn) -> c_int;
+    fn stoker_txn_begin(env: *mut MDB_env, dbi: MDB_dbi, txn: *mut *mut MDB_txn, snap: *mut Snapshot) -> c_int;
     fn stoker_txn_abort(txn: *mut MDB_txn);
     fn stoker_get(
         txn: *mut MDB_txn,
@@ -76,6 +68,19 @@ unsafe extern "C" {
         data: *mut *const c_void,
         len: *mut usize,
     ) -> c_int;
+}
+
+/// What a read transaction sees of the file (`stoker_snapshot` in the shim).
+/// A file that is not written while served never changes it.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Snapshot {
+    txnid: usize,
+    last_pgno: usize,
+    entries: usize,
+    pages: usize,
+    psize: c_uint,
+    depth: c_uint,
 }
 
 /// What went wrong reading an environment.
@@ -112,8 +117,8 @@ pub struct MappedEnv {
     /// Start of the map and the bytes of it LMDB may legitimately read
     /// (the pages up to the last used one, all present in the file at open).
     map: (usize, usize),
-    /// Entries of the main database, per its root record.
-    entries: u64,
+    /// What the first transaction saw; every later one must see the same.
+    snapshot: Snapshot,
     /// Set by the first read that found the file truncated or corrupt.
     poisoned: OnceLock<String>,
 }
@@ -129,7 +134,7 @@ impl fmt::Debug for MappedEnv {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MappedEnv")
             .field("data_file", &self.data_file)
-            .field("entries", &self.entries)
+            .field("snapshot", &self.snapshot)
             .field("poisoned", &self.poisoned.get())
             .finish_non_exhaustive()
     }
@@ -181,6 +186,9 @@ impl MappedEnv {
         if single_file {
             flags |= MDB_NOSUBDIR;
         }
+        let before = std::fs::metadata(&data_file)
+            .map(|m| file_mappings(std::os::unix::fs::MetadataExt::dev(&m), std::os::unix::fs::MetadataExt::ino(&m)))
+            .unwrap_or_default();
         let mut env = ptr::null_mut();
         let mut dbi: MDB_dbi = 0;
         // SAFETY: valid out-pointers and a NUL-terminated path; the shim sets
@@ -194,35 +202,38 @@ impl MappedEnv {
             dbi,
             data_file,
             map: (0, 0),
-            entries: 0,
+            snapshot: Snapshot::default(),
             poisoned: OnceLock::new(),
         };
         if rc != 0 {
             return Err(mapped.error(rc, "opening"));
         }
-        let (mut mapaddr, mut last_pgno, mut psize, mut entries) = (ptr::null_mut(), 0usize, 0, 0usize);
-        // SAFETY: an open environment and valid out-pointers.
-        let rc = unsafe {
-            stoker_env_info(mapped.env.as_ptr(), dbi, &mut mapaddr, &mut last_pgno, &mut psize, &mut entries)
-        };
-        if rc != 0 {
-            return Err(mapped.error(rc, "reading the environment's header"));
-        }
-        let file_len = mapped.file_len().map_err(|e| GuardError::Lmdb(format!("cannot stat the data file: {e}")))?;
-        let needed = (last_pgno as u64).checked_add(1).and_then(|pages| pages.checked_mul(u64::from(psize)));
-        match needed {
-            Some(needed) if needed <= file_len => {
-                mapped.map = (mapaddr as usize, usize::try_from(needed).unwrap_or(usize::MAX));
-            }
+        let (txn, snapshot) = mapped.begin()?;
+        drop(txn);
+        mapped.snapshot = snapshot;
+        let (dev, ino, file_len) =
+            mapped.file_id().map_err(|e| GuardError::Lmdb(format!("cannot stat the data file: {e}")))?;
+        let needed = (snapshot.last_pgno as u64)
+            .checked_add(1)
+            .and_then(|pages| pages.checked_mul(u64::from(snapshot.psize)));
+        let needed = match needed {
+            Some(needed) if needed <= file_len => needed,
             _ => {
                 return Err(mapped.poison(format!(
-                    "the file is {file_len} bytes but its header says it uses pages 0..={last_pgno} of {psize} \
-                     bytes ({} bytes): it was truncated",
+                    "is truncated: it is {file_len} bytes but its header says it uses pages 0..={} of {} bytes ({} \
+                     bytes)",
+                    snapshot.last_pgno,
+                    snapshot.psize,
                     needed.map_or("more than 2^64".to_string(), |n| n.to_string())
                 )));
             }
-        }
-        mapped.entries = entries as u64;
+        };
+        // LMDB does not say where it mapped the file: the mapping of this
+        // inode that appeared with this environment is it.
+        let (start, len) = new_mapping(dev, ino, &before).ok_or_else(|| {
+            GuardError::Lmdb(format!("cannot find the mapping of {} in /proc/self/maps", mapped.data_file.display()))
+        })?;
+        mapped.map = (start, len.min(usize::try_from(needed).unwrap_or(usize::MAX)));
         Ok(mapped)
     }
 
@@ -231,14 +242,30 @@ impl MappedEnv {
         self.poisoned.get().map(String::as_str)
     }
 
-    /// Begins a read transaction.
+    /// Begins a read transaction, checking the file still looks as it did at open.
     pub fn txn(&self) -> Result<Txn<'_>, GuardError> {
         self.check()?;
+        let (txn, snapshot) = self.begin()?;
+        if snapshot != self.snapshot {
+            let (was, now) = (self.snapshot, snapshot);
+            return Err(self.poison(format!(
+                "changed while served (transaction {} → {}, {} → {} entries, last page {} → {}): an \
+                 environment must not be written or replaced while served",
+                was.txnid, now.txnid, was.entries, now.entries, was.last_pgno, now.last_pgno
+            )));
+        }
+        Ok(txn)
+    }
+
+    fn begin(&self) -> Result<(Txn<'_>, Snapshot), GuardError> {
         let mut txn = ptr::null_mut();
-        // SAFETY: an open environment and a valid out-pointer.
-        let rc = unsafe { stoker_txn_begin(self.env.as_ptr(), &mut txn) };
-        match NonNull::new(txn) {
-            Some(txn) if rc == 0 => Ok(Txn { env: self, txn }),
+        let mut snapshot = Snapshot::default();
+        // SAFETY: an open environment, its main database and valid out-pointers.
+        let rc = unsafe { stoker_txn_begin(self.env.as_ptr(), self.dbi, &mut txn, &mut snapshot) };
+        // Aborted on drop, also when describing it failed.
+        let txn = NonNull::new(txn).map(|txn| Txn { env: self, txn });
+        match txn {
+            Some(txn) if rc == 0 => Ok((txn, snapshot)),
             _ => Err(self.error(rc, "beginning a read transaction")),
         }
     }
@@ -250,27 +277,38 @@ impl MappedEnv {
         }
     }
 
-    fn file_len(&self) -> std::io::Result<u64> {
+    /// Device, inode and length of the data file LMDB opened.
+    fn file_id(&self) -> std::io::Result<(u64, u64, u64)> {
         let mut fd: ffi::mdb_filehandle_t = -1;
         // SAFETY: an open environment and a valid out-pointer.
         let rc = unsafe { ffi::mdb_env_get_fd(self.env.as_ptr(), &mut fd) };
         if rc != 0 || fd < 0 {
-            return std::fs::metadata(&self.data_file).map(|m| m.len());
+            return Err(std::io::Error::other(strerror(rc)));
         }
         // SAFETY: LMDB keeps the descriptor open until mdb_env_close, after this borrow ends.
         let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-        Ok(rustix::fs::fstat(fd)?.st_size.max(0) as u64)
+        let st = rustix::fs::fstat(fd)?;
+        Ok((st.st_dev, st.st_ino, st.st_size.max(0) as u64))
     }
 
     /// Records `why` as the reason the environment is unusable and returns it as an error.
     fn poison(&self, why: String) -> GuardError {
-        let message = format!(
-            "the data file {} is truncated or corrupt: {why}; rebuild or restore the environment (stoker will \
-             not read this copy again; a replaced file is opened afresh by the next stream)",
-            self.data_file.display()
-        );
-        let first = self.poisoned.get_or_init(|| message);
+        let first = self.poisoned.get_or_init(|| self.message(&why));
         GuardError::Corrupt(first.clone())
+    }
+
+    /// A corruption LMDB (or a bounds check) found without faulting: that
+    /// read fails, the environment stays usable (`on_error = "skip"` may
+    /// skip the value).
+    fn corrupt(&self, why: String) -> GuardError {
+        GuardError::Corrupt(self.message(&why))
+    }
+
+    fn message(&self, why: &str) -> String {
+        format!(
+            "the data file {} {why}; rebuild or restore the environment, then open the dataset again",
+            self.data_file.display()
+        )
     }
 
     /// Turns a shim return code into an error, poisoning on faults and corruption.
@@ -284,22 +322,23 @@ impl MappedEnv {
                 // SAFETY: reads this thread's record of its last fault.
                 let addr = unsafe { stoker_guard_fault_addr() } as usize;
                 self.poison(format!(
-                    "SIGBUS {doing} at {}: the file is shorter than its map (truncated or rewritten while served)",
+                    "is truncated (SIGBUS {doing} at {}: the file is shorter than its pages, truncated or \
+                     rewritten while served)",
                     offset(addr)
                 ))
             }
             STOKER_SIGSEGV => {
                 // SAFETY: as above.
                 let addr = unsafe { stoker_guard_fault_addr() } as usize;
-                self.poison(format!("SIGSEGV {doing} at {}: a page points outside the file", offset(addr)))
+                self.poison(format!("is corrupt (SIGSEGV {doing} at {}: a page points outside the map)", offset(addr)))
             }
             STOKER_ASSERT => {
                 // SAFETY: the shim's thread-local buffer, always NUL-terminated.
                 let msg = unsafe { CStr::from_ptr(stoker_guard_assert_msg()) }.to_string_lossy().into_owned();
-                self.poison(format!("LMDB assertion failed {doing}: {msg}"))
+                self.poison(format!("is corrupt (LMDB assertion failed {doing}: {msg})"))
             }
             ffi::MDB_CORRUPTED | ffi::MDB_PAGE_NOTFOUND | ffi::MDB_CURSOR_FULL => {
-                self.poison(format!("{doing}: {}", strerror(rc)))
+                self.corrupt(format!("is corrupt ({doing}: {})", strerror(rc)))
             }
             _ => GuardError::Lmdb(format!("{doing}: {}", strerror(rc))),
         }
@@ -313,13 +352,39 @@ impl MappedEnv {
             .and_then(|off| off.checked_add(len))
             .is_some_and(|end| end <= size);
         if !inside {
-            return Err(self.poison(format!(
-                "{doing}: a value of {len} bytes at address {:#x} lies outside the {size} bytes of used pages",
+            return Err(self.corrupt(format!(
+                "is corrupt ({doing}: a value of {len} bytes at address {:#x} lies outside the {size} bytes of \
+                 used pages)",
                 addr as usize
             )));
         }
         Ok(Value { addr, len })
     }
+}
+
+/// Address ranges of this process's mappings of the file `(dev, ino)`.
+fn file_mappings(dev: u64, ino: u64) -> Vec<(usize, usize)> {
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else { return Vec::new() };
+    let (major, minor) = (rustix::fs::major(dev), rustix::fs::minor(dev));
+    maps.lines()
+        .filter_map(|line| {
+            // start-end perms offset major:minor inode path
+            let mut parts = line.split_ascii_whitespace();
+            let (range, _, _, device, inode) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+            let (maj, min) = device.split_once(':')?;
+            let same = u32::from_str_radix(maj, 16).ok()? == major
+                && u32::from_str_radix(min, 16).ok()? == minor
+                && inode.parse::<u64>().ok()? == ino;
+            let (start, end) = range.split_once('-')?;
+            let (start, end) = (usize::from_str_radix(start, 16).ok()?, usize::from_str_radix(end, 16).ok()?);
+            same.then(|| (start, end.saturating_sub(start)))
+        })
+        .collect()
+}
+
+/// The mapping of `(dev, ino)` that is not among `before`.
+fn new_mapping(dev: u64, ino: u64, before: &[(usize, usize)]) -> Option<(usize, usize)> {
+    file_mappings(dev, ino).into_iter().find(|m| !before.contains(m))
 }
 
 /// A read transaction; aborted when dropped.
@@ -441,19 +506,20 @@ impl Cursor<'_, '_> {
             0 => {}
             ffi::MDB_NOTFOUND => return Ok(None),
             STOKER_KEY_TOO_LONG => {
-                return Err(env.poison(format!(
-                    "listing keys: entry {} has a key of {key_len} bytes (LMDB keys are at most {MAX_KEY})",
+                return Err(env.corrupt(format!(
+                    "is corrupt (listing keys: entry {} has a key of {key_len} bytes, LMDB keys are at most \
+                     {MAX_KEY})",
                     self.seen
                 )));
             }
             rc => return Err(env.error(rc, "listing keys")),
         }
         self.seen += 1;
-        if self.seen > env.entries {
+        if self.seen > env.snapshot.entries as u64 {
             // A cycle among corrupt pages would otherwise walk forever.
-            return Err(env.poison(format!(
-                "listing keys: more entries than the {} the database records",
-                env.entries
+            return Err(env.corrupt(format!(
+                "is corrupt (listing keys: more entries than the {} the database records)",
+                env.snapshot.entries
             )));
         }
         let value = env.value(data, len, "listing keys")?;
