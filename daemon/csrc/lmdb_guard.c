@@ -254,7 +254,8 @@ void stoker_cursor_close(MDB_cursor *cursor) { mdb_cursor_close(cursor); }
 /*
  * Moves to the first (first != 0) or next entry, copies its key into
  * key_buf (key_cap bytes; STOKER_KEY_TOO_LONG with *key_len set if it does
- * not fit) and locates its value inside the map.
+ * not fit) and, when `data` is not NULL, locates its value inside the map
+ * (without it, the value's overflow pages are not touched).
  */
 int stoker_cursor_next(MDB_cursor *cursor, int first, void *key_buf, size_t key_cap, size_t *key_len,
                        const void **data, size_t *len) {
@@ -262,15 +263,17 @@ int stoker_cursor_next(MDB_cursor *cursor, int first, void *key_buf, size_t key_
     GUARD({
         MDB_val k = {0, NULL};
         MDB_val v = {0, NULL};
-        rc = mdb_cursor_get(cursor, &k, &v, first ? MDB_FIRST : MDB_NEXT);
+        rc = mdb_cursor_get(cursor, &k, data != NULL ? &v : NULL, first ? MDB_FIRST : MDB_NEXT);
         if (rc == 0) {
             *key_len = k.mv_size;
             if (k.mv_size > key_cap) {
                 rc = STOKER_KEY_TOO_LONG;
             } else {
                 memcpy(key_buf, k.mv_data, k.mv_size);
-                *data = v.mv_data;
-                *len = v.mv_size;
+                if (data != NULL) {
+                    *data = v.mv_data;
+                    *len = v.mv_size;
+                }
             }
         }
     });

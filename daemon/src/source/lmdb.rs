@@ -434,7 +434,15 @@ impl LmdbSource {
         let txns = self
             .envs
             .iter()
-            .map(|env| env.env.txn().map_err(|e| read_error(&env.path, key, "", &"", sample.index, e.to_string())))
+            .enumerate()
+            .map(|(i, env)| {
+                env.env.txn().map_err(|e| {
+                    // Name a field read from this environment.
+                    let plan = self.plans.iter().find(|p| p.env == i);
+                    let (field, codec) = plan.map_or(("", String::new()), |p| (p.name.as_str(), p.codec.to_string()));
+                    read_error(&env.path, key, field, &codec, sample.index, e.to_string())
+                })
+            })
             .collect::<Result<Vec<_>, _>>()?;
         worker.shapes.clear();
         worker.shapes.resize(self.plans.len(), None);
@@ -671,7 +679,7 @@ impl SharedEnv {
         let txn = self.env.txn().map_err(err)?;
         let mut cursor = txn.cursor().map_err(err)?;
         let (mut keys, mut dropped) = (Keys::default(), 0u64);
-        while let Some((key, _)) = cursor.next_entry().map_err(err)? {
+        while let Some((key, _)) = cursor.next_entry(false).map_err(err)? {
             if keep(key) {
                 keys.push(key);
             } else {
@@ -814,7 +822,9 @@ pub fn scan(path: &Path, probe: usize) -> Result<EnvScan, SourceError> {
     let mut formats: BTreeMap<String, u64> = BTreeMap::new();
     let mut shapes: BTreeMap<String, u64> = BTreeMap::new();
     let mut last = None;
-    while let Some((key, lazy)) = cursor.next_entry().map_err(err)? {
+    loop {
+        let want_value = (scan.probed as usize) < probe;
+        let Some((key, value_at)) = cursor.next_entry(want_value).map_err(err)? else { break };
         scan.entries += 1;
         if is_metadata_key(key) {
             scan.metadata_keys.push(show_key(key));
@@ -838,11 +848,11 @@ pub fn scan(path: &Path, probe: usize) -> Result<EnvScan, SourceError> {
         } else {
             last = Some(show_key(key));
         }
-        if (scan.probed as usize) < probe {
+        if let Some(value_at) = value_at {
             scan.probed += 1;
             value.clear();
-            value.resize(lazy.len(), 0);
-            txn.copy(lazy, &mut value).map_err(err)?;
+            value.resize(value_at.len(), 0);
+            txn.copy(value_at, &mut value).map_err(err)?;
             let (format, info) = sniff_value(&value);
             *formats.entry(format).or_default() += 1;
             if let Some(info) = info {

@@ -206,6 +206,11 @@ impl MappedEnv {
             poisoned: OnceLock::new(),
         };
         if rc != 0 {
+            // LMDB sizes its map from the header: a header claiming more pages
+            // than the file holds fails here (ENOMEM, say) and deserves a clearer word.
+            if let Some(why) = header_problem(&mapped.data_file) {
+                return Err(mapped.corrupt(why));
+            }
             return Err(mapped.error(rc, "opening"));
         }
         let (txn, snapshot) = mapped.begin()?;
@@ -362,6 +367,41 @@ impl MappedEnv {
     }
 }
 
+/// Reads the meta pages with plain reads (no map) and says why the file
+/// cannot hold what its newest valid header describes, if it cannot.
+fn header_problem(data_file: &Path) -> Option<String> {
+    use std::os::unix::fs::FileExt;
+    // MDB_meta after the 16-byte page header: magic u32 @16, psize (the free
+    // database's md_pad) u32 @40, mm_last_pg u64 @136, mm_txnid u64 @144.
+    const MAGIC: u32 = 0xBEEF_C0DE;
+    let file = std::fs::File::open(data_file).ok()?;
+    let len = file.metadata().ok()?.len();
+    let meta = |at: u64| -> Option<(u32, u64, u64)> {
+        let mut page = [0u8; 152];
+        file.read_exact_at(&mut page, at).ok()?;
+        let u32_at = |i: usize| page.get(i..i + 4).and_then(|b| b.try_into().ok()).map(u32::from_ne_bytes);
+        let u64_at = |i: usize| page.get(i..i + 8).and_then(|b| b.try_into().ok()).map(u64::from_ne_bytes);
+        (u32_at(16)? == MAGIC).then_some((u32_at(40)?, u64_at(136)?, u64_at(144)?))
+    };
+    let first = meta(0)?;
+    let psize = first.0;
+    if !psize.is_power_of_two() || !(512..=65536).contains(&psize) {
+        return None;
+    }
+    let newest = match meta(u64::from(psize)) {
+        Some(second) if second.2 > first.2 => second,
+        _ => first,
+    };
+    let last = newest.1;
+    let needed = last.checked_add(1).and_then(|n| n.checked_mul(u64::from(psize)));
+    match needed {
+        Some(needed) if needed <= len => None,
+        _ => Some(format!(
+            "is truncated or corrupt: it is {len} bytes but its header says it uses pages 0..={last} of {psize} bytes"
+        )),
+    }
+}
+
 /// Address ranges of this process's mappings of the file `(dev, ino)`.
 fn file_mappings(dev: u64, ino: u64) -> Vec<(usize, usize)> {
     let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else { return Vec::new() };
@@ -484,8 +524,9 @@ impl Drop for Cursor<'_, '_> {
 }
 
 impl Cursor<'_, '_> {
-    /// The next entry: its key (copied) and where its value lies; `None` at the end.
-    pub fn next_entry(&mut self) -> Result<Option<(&[u8], Value)>, GuardError> {
+    /// The next entry: its key (copied) and, with `want_value`, where its
+    /// value lies (otherwise a large value's pages are not read); `None` at the end.
+    pub fn next_entry(&mut self, want_value: bool) -> Result<Option<(&[u8], Option<Value>)>, GuardError> {
         let env = self.txn.env;
         env.check()?;
         let (mut key_len, mut data, mut len) = (0usize, ptr::null(), 0usize);
@@ -497,7 +538,7 @@ impl Cursor<'_, '_> {
                 self.key.as_mut_ptr().cast(),
                 self.key.len(),
                 &mut key_len,
-                &mut data,
+                if want_value { &mut data } else { ptr::null_mut() },
                 &mut len,
             )
         };
@@ -522,7 +563,7 @@ impl Cursor<'_, '_> {
                 env.snapshot.entries
             )));
         }
-        let value = env.value(data, len, "listing keys")?;
+        let value = if want_value { Some(env.value(data, len, "listing keys")?) } else { None };
         Ok(Some((&self.key[..key_len], value)))
     }
 }
