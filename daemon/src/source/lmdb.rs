@@ -675,7 +675,8 @@ impl SharedEnv {
                 Box::new(move |k| !re.is_match(k))
             }
         };
-        let err = |e: GuardError| SourceError::LmdbOpen { env: self.path.clone(), message: format!("listing keys: {e}") };
+        let err =
+            |e: GuardError| SourceError::LmdbOpen { env: self.path.clone(), message: format!("listing keys: {e}") };
         let txn = self.env.txn().map_err(err)?;
         let mut cursor = txn.cursor().map_err(err)?;
         let (mut keys, mut dropped) = (Keys::default(), 0u64);

@@ -18,8 +18,8 @@ use std::path::{Path, PathBuf};
 use std::ptr::{self, NonNull};
 use std::sync::{Once, OnceLock};
 
-use lmdb_master_sys as ffi;
 use ffi::{MDB_cursor, MDB_dbi, MDB_env, MDB_txn};
+use lmdb_master_sys as ffi;
 
 /// A guarded call was cut short by SIGBUS.
 const STOKER_SIGBUS: c_int = -31001;
@@ -197,14 +197,8 @@ impl MappedEnv {
         let Some(env) = NonNull::new(env) else {
             return Err(GuardError::Lmdb(strerror(rc)));
         };
-        let mut mapped = MappedEnv {
-            env,
-            dbi,
-            data_file,
-            map: (0, 0),
-            snapshot: Snapshot::default(),
-            poisoned: OnceLock::new(),
-        };
+        let mut mapped =
+            MappedEnv { env, dbi, data_file, map: (0, 0), snapshot: Snapshot::default(), poisoned: OnceLock::new() };
         if rc != 0 {
             // LMDB sizes its map from the header: a header claiming more pages
             // than the file holds fails here (ENOMEM, say) and deserves a clearer word.
@@ -218,9 +212,8 @@ impl MappedEnv {
         mapped.snapshot = snapshot;
         let (dev, ino, file_len) =
             mapped.file_id().map_err(|e| GuardError::Lmdb(format!("cannot stat the data file: {e}")))?;
-        let needed = (snapshot.last_pgno as u64)
-            .checked_add(1)
-            .and_then(|pages| pages.checked_mul(u64::from(snapshot.psize)));
+        let needed =
+            (snapshot.last_pgno as u64).checked_add(1).and_then(|pages| pages.checked_mul(u64::from(snapshot.psize)));
         let needed = match needed {
             Some(needed) if needed <= file_len => needed,
             _ => {
@@ -352,10 +345,8 @@ impl MappedEnv {
     /// `addr..addr+len` as a value inside the used pages, or poisons.
     fn value(&self, addr: *const c_void, len: usize, doing: &str) -> Result<Value, GuardError> {
         let (start, size) = self.map;
-        let inside = (addr as usize)
-            .checked_sub(start)
-            .and_then(|off| off.checked_add(len))
-            .is_some_and(|end| end <= size);
+        let inside =
+            (addr as usize).checked_sub(start).and_then(|off| off.checked_add(len)).is_some_and(|end| end <= size);
         if !inside {
             return Err(self.corrupt(format!(
                 "is corrupt ({doing}: a value of {len} bytes at address {:#x} lies outside the {size} bytes of \
@@ -410,7 +401,8 @@ fn file_mappings(dev: u64, ino: u64) -> Vec<(usize, usize)> {
         .filter_map(|line| {
             // start-end perms offset major:minor inode path
             let mut parts = line.split_ascii_whitespace();
-            let (range, _, _, device, inode) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+            let (range, _, _, device, inode) =
+                (parts.next()?, parts.next()?, parts.next()?, parts.next()?, parts.next()?);
             let (maj, min) = device.split_once(':')?;
             let same = u32::from_str_radix(maj, 16).ok()? == major
                 && u32::from_str_radix(min, 16).ok()? == minor
@@ -453,9 +445,8 @@ impl Txn<'_> {
         self.env.check()?;
         let (mut data, mut len) = (ptr::null(), 0usize);
         // SAFETY: a live transaction; `key` outlives the call; valid out-pointers.
-        let rc = unsafe {
-            stoker_get(self.txn.as_ptr(), self.env.dbi, key.as_ptr().cast(), key.len(), &mut data, &mut len)
-        };
+        let rc =
+            unsafe { stoker_get(self.txn.as_ptr(), self.env.dbi, key.as_ptr().cast(), key.len(), &mut data, &mut len) };
         match rc {
             0 => self.env.value(data, len, "looking a key up").map(Some),
             ffi::MDB_NOTFOUND => Ok(None),
