@@ -491,6 +491,9 @@ impl Txn<'_> {
     }
 }
 
+/// A key (copied out of the map) and, when asked for, where its value lies.
+pub type Entry<'a> = (&'a [u8], Option<Value>);
+
 /// A cursor walking the main database; closed when dropped.
 pub struct Cursor<'t, 'e> {
     txn: &'t Txn<'e>,
@@ -517,7 +520,7 @@ impl Drop for Cursor<'_, '_> {
 impl Cursor<'_, '_> {
     /// The next entry: its key (copied) and, with `want_value`, where its
     /// value lies (otherwise a large value's pages are not read); `None` at the end.
-    pub fn next_entry(&mut self, want_value: bool) -> Result<Option<(&[u8], Option<Value>)>, GuardError> {
+    pub fn next_entry(&mut self, want_value: bool) -> Result<Option<Entry<'_>>, GuardError> {
         let env = self.txn.env;
         env.check()?;
         let (mut key_len, mut data, mut len) = (0usize, ptr::null(), 0usize);
@@ -556,5 +559,124 @@ impl Cursor<'_, '_> {
         }
         let value = if want_value { Some(env.value(data, len, "listing keys")?) } else { None };
         Ok(Some((&self.key[..key_len], value)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::ExitStatusExt;
+
+    use heed::types::Bytes;
+    use heed::{CommitOrAbort, Database, EnvOpenOptions};
+
+    use super::*;
+
+    /// Writes `n` values of `size` bytes under keys `k000`… with heed; returns the data file.
+    fn write_env(dir: &Path, n: usize, size: usize) -> PathBuf {
+        let mut options = EnvOpenOptions::new();
+        options.map_size(64 << 20);
+        // SAFETY: a fresh environment in a test's own directory, used by this thread only.
+        let env = unsafe { options.open(dir) }.unwrap();
+        let wtxn = env.write_txn().unwrap();
+        let db: Database<Bytes, Bytes> = env
+            .create_databases_and_commit(wtxn, |creator, wtxn| -> heed::Result<_> {
+                Ok(CommitOrAbort::<_, ()>::Commit(creator.create_database::<Bytes, Bytes>(wtxn, None)?))
+            })
+            .unwrap()
+            .unwrap_commit();
+        let mut wtxn = env.write_txn().unwrap();
+        for i in 0..n {
+            db.put(&mut wtxn, format!("k{i:03}").as_bytes(), &vec![i as u8; size]).unwrap();
+        }
+        wtxn.commit().unwrap();
+        env.prepare_for_closing().wait();
+        dir.join("data.mdb")
+    }
+
+    fn truncate(file: &Path, len: u64) {
+        std::fs::OpenOptions::new().write(true).open(file).unwrap().set_len(len).unwrap();
+    }
+
+    #[test]
+    fn reads_copy_values_and_list_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        write_env(dir.path(), 20, 9000);
+        let env = MappedEnv::open(dir.path(), false).unwrap();
+        let txn = env.txn().unwrap();
+        let mut buf = Vec::new();
+        assert!(txn.read(b"k007", &mut buf).unwrap());
+        assert_eq!(buf, vec![7u8; 9000]);
+        assert!(!txn.read(b"nope", &mut buf).unwrap());
+        let mut cursor = txn.cursor().unwrap();
+        let mut keys = Vec::new();
+        while let Some((key, value)) = cursor.next_entry(false).unwrap() {
+            assert!(value.is_none());
+            keys.push(key.to_vec());
+        }
+        assert_eq!(keys.len(), 20);
+        assert_eq!(keys[19], b"k019");
+        assert!(env.poisoned().is_none());
+    }
+
+    #[test]
+    fn truncated_at_rest_is_refused_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = write_env(dir.path(), 20, 9000);
+        let len = std::fs::metadata(&data).unwrap().len();
+        truncate(&data, len - 1);
+        let err = MappedEnv::open(dir.path(), false).unwrap_err();
+        assert!(matches!(&err, GuardError::Corrupt(m) if m.contains("is truncated")), "{err}");
+    }
+
+    #[test]
+    fn truncated_while_open_fails_the_read_and_poisons() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = write_env(dir.path(), 40, 9000);
+        let env = MappedEnv::open(dir.path(), false).unwrap();
+        let txn = env.txn().unwrap();
+        let value = txn.get(b"k039").unwrap().unwrap();
+        // The value's pages (near the end of the file) go; the meta pages stay.
+        truncate(&data, 8192);
+        let mut buf = vec![0; value.len()];
+        let err = txn.copy(value, &mut buf).unwrap_err();
+        assert!(matches!(&err, GuardError::Corrupt(m) if m.contains("SIGBUS") && m.contains("is truncated")), "{err}");
+        assert!(env.poisoned().is_some());
+        drop(txn);
+        // Poisoned: later reads fail at once with the first message.
+        assert_eq!(env.txn().unwrap_err(), err);
+    }
+
+    #[test]
+    fn header_beyond_the_file_is_described() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = write_env(dir.path(), 5, 100);
+        assert_eq!(header_problem(&data), None);
+        let file = std::fs::OpenOptions::new().write(true).open(&data).unwrap();
+        use std::os::unix::fs::FileExt;
+        for meta in [0u64, 4096] {
+            file.write_all_at(&(1u64 << 40).to_ne_bytes(), meta + 136).unwrap();
+        }
+        let problem = header_problem(&data).unwrap();
+        assert!(problem.contains("is truncated or corrupt") && problem.contains("1099511627776"), "{problem}");
+    }
+
+    /// A fault outside a guarded call still kills the process: run in a child.
+    #[test]
+    fn faults_outside_the_guard_still_crash() {
+        if std::env::var_os("STOKER_GUARD_CRASH_CHILD").is_some() {
+            install_handler();
+            // SAFETY: deliberately not: this child process must die of SIGSEGV.
+            let byte = unsafe { std::ptr::read_volatile(16 as *const u8) };
+            std::process::exit(i32::from(byte));
+        }
+        let status = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "source::lmdb::guard::tests::faults_outside_the_guard_still_crash", "--nocapture"])
+            .env("STOKER_GUARD_CRASH_CHILD", "1")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .unwrap();
+        // SIGSEGV is 11 on Linux.
+        assert_eq!(status.signal(), Some(11), "{status:?}");
     }
 }
