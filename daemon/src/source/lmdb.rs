@@ -37,7 +37,7 @@ use regex::bytes::Regex;
 use stoker_proto::DType;
 
 use super::{FieldOut, FieldSpec, LmdbReadError, SampleRef, Source, SourceError};
-use crate::codec::{AlignedBuf, ArrayInfo, Codec, CodecError};
+use crate::codec::{AlignedBuf, ArrayInfo, ByteOrder, Codec, CodecError, Format, Wrap};
 use crate::transform::{self, ArrayRef, Chain, Pair, SampleKey, Step};
 
 mod guard;
@@ -470,10 +470,25 @@ impl LmdbSource {
         let env = &self.envs[plan.env];
         let err = |message: String| read_error(&env.path, key, &plan.name, &plan.codec, sample.index, message);
         let Worker { value, scratch, decoded, transform, shapes } = worker;
-        // Decoding reads a copy: the map may fault (see `guard`), Rust code must not.
-        if !txns[plan.env].read(key, value).map_err(|e| err(e.to_string()))? {
-            return Err(err("the key is missing from this environment".into()));
+        let txn = &txns[plan.env];
+        let found = txn
+            .get(key)
+            .map_err(|e| err(e.to_string()))?
+            .ok_or_else(|| err("the key is missing from this environment".into()))?;
+        // Native-order raw bytes of the laid-out size go straight from the map
+        // into the slot row: the one copy decoding would make anyway.
+        if let (None, LmdbOut::Fixed(dst), Some(layout)) = (&plan.chain, &mut *out, &plan.decoded) {
+            let plain = matches!(&plan.codec, Codec { wrap: Wrap::None, format: Format::Raw(raw) }
+                if raw.order == ByteOrder::NATIVE || raw.dtype.size() == 1);
+            if plain && found.len() == dst.len() {
+                txn.copy(found, dst).map_err(|e| err(e.to_string()))?;
+                shapes[i] = Some(layout.shape.clone());
+                return Ok(());
+            }
         }
+        // Decoding reads a copy: the map may fault (see `guard`), Rust code must not.
+        value.resize(found.len(), 0);
+        txn.copy(found, value).map_err(|e| err(e.to_string()))?;
         let value: &[u8] = value;
         let codec_err = |e: CodecError| match (&e, &plan.decoded) {
             (CodecError::Mismatch { .. }, Some(layout)) if plan.chain.is_none() => err(format!(

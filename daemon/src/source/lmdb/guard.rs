@@ -472,7 +472,7 @@ impl Txn<'_> {
     /// Reads the value of `key` into `buf` (resized to it); `false` when the key is absent.
     pub fn read(&self, key: &[u8], buf: &mut Vec<u8>) -> Result<bool, GuardError> {
         let Some(value) = self.get(key)? else { return Ok(false) };
-        buf.clear();
+        // No clear(): only bytes beyond the buffer's current length are zeroed.
         buf.resize(value.len, 0);
         self.copy(value, buf)?;
         Ok(true)
