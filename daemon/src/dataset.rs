@@ -74,7 +74,8 @@ impl Datasets {
             Resolved::Hdf5(spec) => format!("hdf5 {spec:?}"),
             Resolved::Lmdb(spec) => format!("lmdb {spec:?}"),
         };
-        if let Some((opened, used)) = self.lock().get_mut(&key) {
+        // A poisoned source (its file found truncated or corrupt) is opened afresh.
+        if let Some((opened, used)) = self.lock().get_mut(&key).filter(|(o, _)| o.source.poisoned().is_none()) {
             *used = Instant::now();
             return Ok(Opened { label, source: opened.source.clone() });
         }

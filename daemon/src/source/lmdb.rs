@@ -33,14 +33,16 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, PoisonError, Weak};
 
-use heed::types::Bytes;
-use heed::{CommitOrAbort, Database, Env, EnvFlags, EnvOpenOptions, RoTxn, WithoutTls};
 use regex::bytes::Regex;
 use stoker_proto::DType;
 
 use super::{FieldOut, FieldSpec, LmdbReadError, SampleRef, Source, SourceError};
-use crate::codec::{AlignedBuf, ArrayInfo, Codec, CodecError};
+use crate::codec::{AlignedBuf, ArrayInfo, ByteOrder, Codec, CodecError, Format, Wrap};
 use crate::transform::{self, ArrayRef, Chain, Pair, SampleKey, Step, TransformError};
+
+mod guard;
+
+use guard::{GuardError, MappedEnv, Txn};
 
 /// How many keys are probed at open unless the spec says otherwise.
 pub const DEFAULT_PROBE: usize = 8;
@@ -220,6 +222,8 @@ impl FieldPlan {
 /// Per-worker buffers, pooled so concurrent reads never share one.
 #[derive(Debug, Default)]
 struct Worker {
+    /// The value being decoded, copied out of the map (see `guard`).
+    value: Vec<u8>,
     scratch: Vec<u8>,
     decoded: AlignedBuf,
     transform: transform::Scratch,
@@ -397,6 +401,13 @@ impl LmdbSource {
         self.keys.get(index as usize)
     }
 
+    /// Why one of the dataset's environments is unusable, once a read found
+    /// its file truncated or corrupt. Such a source fails every read; open
+    /// the dataset again (a fresh mapping of the file) instead of reusing it.
+    pub fn poisoned(&self) -> Option<String> {
+        self.envs.iter().find_map(|env| env.env.poisoned().map(|why| format!("{}: {why}", env.path.display())))
+    }
+
     /// Bad samples skipped so far (each substitution counts once).
     pub fn skipped(&self) -> u64 {
         // Relaxed: a statistic, ordered with nothing.
@@ -420,6 +431,8 @@ impl LmdbSource {
             match self.read_index(SampleRef { index, ..sample }, out) {
                 Ok(()) => return Ok(index),
                 Err(e) if self.on_error == OnError::Fail => return Err(e),
+                // A truncated or corrupt file fails every read alike: nothing to skip to.
+                Err(e) if self.poisoned().is_some() => return Err(e),
                 Err(e) => {
                     self.skipped.fetch_add(1, Ordering::Relaxed);
                     let mut logged = self.logged.lock().unwrap_or_else(PoisonError::into_inner);
@@ -453,9 +466,13 @@ impl LmdbSource {
         let txns = self
             .envs
             .iter()
-            .map(|env| {
-                env.env.read_txn().map_err(|e| {
-                    read_error(&env.path, key, "", &"", sample.index, format!("cannot begin a read transaction: {e}"))
+            .enumerate()
+            .map(|(i, env)| {
+                env.env.txn().map_err(|e| {
+                    // Name a field read from this environment.
+                    let plan = self.plans.iter().find(|p| p.env == i);
+                    let (field, codec) = plan.map_or(("", String::new()), |p| (p.name.as_str(), p.codec.to_string()));
+                    read_error(&env.path, key, field, &codec, sample.index, e.to_string())
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -475,7 +492,7 @@ impl LmdbSource {
     fn read_field(
         &self,
         worker: &mut Worker,
-        txns: &[RoTxn<'_, WithoutTls>],
+        txns: &[Txn<'_>],
         i: usize,
         key: &[u8],
         sample: SampleRef,
@@ -484,12 +501,27 @@ impl LmdbSource {
         let plan = &self.plans[i];
         let env = &self.envs[plan.env];
         let err = |message: String| read_error(&env.path, key, &plan.name, &plan.codec, sample.index, message);
-        let value = env
-            .db
-            .get(&txns[plan.env], key)
-            .map_err(|e| err(format!("LMDB read failed: {e}")))?
+        let Worker { value, scratch, decoded, transform, shapes } = worker;
+        let txn = &txns[plan.env];
+        let found = txn
+            .get(key)
+            .map_err(|e| err(e.to_string()))?
             .ok_or_else(|| err("the key is missing from this environment".into()))?;
-        let Worker { scratch, decoded, transform, shapes } = worker;
+        // Native-order raw bytes of the laid-out size go straight from the map
+        // into the slot row: the one copy decoding would make anyway.
+        if let (None, LmdbOut::Fixed(dst), Some(layout)) = (&plan.chain, &mut *out, &plan.decoded) {
+            let plain = matches!(&plan.codec, Codec { wrap: Wrap::None, format: Format::Raw(raw) }
+                if raw.order == ByteOrder::NATIVE || raw.dtype.size() == 1);
+            if plain && found.len() == dst.len() {
+                txn.copy(found, dst).map_err(|e| err(e.to_string()))?;
+                shapes[i] = Some(layout.shape.clone());
+                return Ok(());
+            }
+        }
+        // Decoding reads a copy: the map may fault (see `guard`), Rust code must not.
+        value.resize(found.len(), 0);
+        txn.copy(found, value).map_err(|e| err(e.to_string()))?;
+        let value: &[u8] = value;
         let codec_err = |e: CodecError| match (&e, &plan.decoded) {
             (CodecError::Mismatch { .. }, Some(layout)) if plan.chain.is_none() => err(format!(
                 "{e}; the field was laid out as {layout} from the first {} keys — declare a crop or resize \
@@ -592,6 +624,10 @@ impl Source for LmdbSource {
         LmdbSource::skipped(self)
     }
 
+    fn poisoned(&self) -> Option<String> {
+        LmdbSource::poisoned(self)
+    }
+
     fn read_sample(&self, sample: SampleRef, out: &mut [FieldOut<'_>]) -> Result<(), SourceError> {
         let mut outs: Vec<LmdbOut<'_>> = out
             .iter_mut()
@@ -607,8 +643,7 @@ impl Source for LmdbSource {
 /// An environment open in this process, shared by every dataset that reads it.
 struct SharedEnv {
     path: PathBuf,
-    env: Env<WithoutTls>,
-    db: Database<'static, Bytes, Bytes>,
+    env: MappedEnv,
 }
 
 impl fmt::Debug for SharedEnv {
@@ -617,8 +652,8 @@ impl fmt::Debug for SharedEnv {
     }
 }
 
-/// Environments open in this process, by canonical path. heed refuses to open
-/// one path twice, and one mapping per environment is what we want anyway.
+/// Environments open in this process, by canonical path: one mapping per
+/// environment, until a read finds its file truncated or corrupt.
 static OPEN_ENVS: LazyLock<Mutex<HashMap<PathBuf, Weak<SharedEnv>>>> = LazyLock::new(Default::default);
 
 impl SharedEnv {
@@ -626,7 +661,9 @@ impl SharedEnv {
         let open_err = |message: String| SourceError::LmdbOpen { env: path.to_owned(), message };
         let canonical = path.canonicalize().map_err(|e| open_err(format!("{e}")))?;
         let mut open = OPEN_ENVS.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(env) = open.get(&canonical).and_then(Weak::upgrade) {
+        // A poisoned environment is never handed out again: the file may have
+        // been restored since, and a fresh mapping reads it anew.
+        if let Some(env) = open.get(&canonical).and_then(Weak::upgrade).filter(|e| e.env.poisoned().is_none()) {
             return Ok(env);
         }
         let single_file = canonical.is_file();
@@ -637,43 +674,26 @@ impl SharedEnv {
                     .into(),
             ));
         }
-        let mut flags = EnvFlags::READ_ONLY | EnvFlags::NO_LOCK | EnvFlags::NO_READ_AHEAD;
-        if single_file {
-            flags |= EnvFlags::NO_SUB_DIR;
-        }
-        let mut options = EnvOpenOptions::new().read_txn_without_tls();
-        // SAFETY: NO_LOCK is unsafe only with concurrent writers, which LMDB's
-        // lock table would otherwise keep from recycling pages under our
-        // readers; a served dataset is read-only by contract (documented at
-        // the top of this module), so the environment never changes under us.
-        unsafe {
-            options.flags(flags);
-        }
-        let mut attempts = 0;
-        let env = loop {
-            // SAFETY: the mapping is only read, through heed, and the file is
-            // not modified while served (see above); heed itself checks that
-            // this process has not opened the path already.
-            match unsafe { options.open(&canonical) } {
-                // The last dataset using it is closing it right now: wait for that, then reopen.
-                Err(heed::Error::EnvAlreadyOpened) if attempts < 3 => {
-                    attempts += 1;
-                    if let Some(closing) = heed::env_closing_event(&canonical) {
-                        closing.wait_timeout(std::time::Duration::from_secs(5));
-                    }
+        // Read-only and without the lock file (MDB_NOLOCK): a served dataset
+        // is not written (documented at the top of this module), so no
+        // writer recycles pages under our readers.
+        let env = MappedEnv::open(&canonical, single_file).map_err(|e| match e {
+            GuardError::Corrupt(message) => open_err(message),
+            GuardError::Lmdb(message) => {
+                let data = if single_file { canonical.clone() } else { canonical.join("data.mdb") };
+                match std::fs::metadata(&data) {
+                    // Two meta pages of at least 4 KiB start every environment.
+                    Ok(meta) if meta.len() < 8192 => open_err(format!(
+                        "not a readable LMDB environment ({message}): its data file {} is only {} bytes, \
+                         truncated or not LMDB; rebuild or restore the environment",
+                        data.display(),
+                        meta.len()
+                    )),
+                    _ => open_err(format!("not a readable LMDB environment: {message}")),
                 }
-                result => break result.map_err(|e| open_err(format!("not a readable LMDB environment: {e}")))?,
             }
-        };
-        let rtxn = env.read_txn().map_err(|e| open_err(e.to_string()))?;
-        let db = env
-            .open_databases_and_commit(rtxn, |opener, rtxn| -> heed::Result<_> {
-                Ok(CommitOrAbort::<_, ()>::Commit(opener.open_database::<Bytes, Bytes>(rtxn, None)?))
-            })
-            .map_err(|e| open_err(e.to_string()))?
-            .unwrap_commit()
-            .ok_or_else(|| open_err("has no main database".into()))?;
-        let shared = Arc::new(SharedEnv { path: path.to_owned(), env, db });
+        })?;
+        let shared = Arc::new(SharedEnv { path: path.to_owned(), env });
         open.insert(canonical, Arc::downgrade(&shared));
         Ok(shared)
     }
@@ -703,11 +723,11 @@ impl SharedEnv {
             }
         };
         let err =
-            |e: heed::Error| SourceError::LmdbOpen { env: self.path.clone(), message: format!("listing keys: {e}") };
-        let rtxn = self.env.read_txn().map_err(err)?;
+            |e: GuardError| SourceError::LmdbOpen { env: self.path.clone(), message: format!("listing keys: {e}") };
+        let txn = self.env.txn().map_err(err)?;
+        let mut cursor = txn.cursor().map_err(err)?;
         let (mut keys, mut dropped) = (Keys::default(), 0u64);
-        for entry in self.db.lazily_decode_data().iter(&rtxn).map_err(err)? {
-            let (key, _) = entry.map_err(err)?;
+        while let Some((key, _)) = cursor.next_entry(false).map_err(err)? {
             if keep(key) {
                 keys.push(key);
             } else {
@@ -722,12 +742,12 @@ impl SharedEnv {
 
     /// Fails naming the first of `keys` this environment lacks.
     fn check_has(&self, keys: &Keys, field: &str) -> Result<(), SourceError> {
-        let err = |e: heed::Error| SourceError::LmdbOpen { env: self.path.clone(), message: e.to_string() };
-        let rtxn = self.env.read_txn().map_err(err)?;
+        let err = |e: GuardError| SourceError::LmdbOpen { env: self.path.clone(), message: e.to_string() };
+        let txn = self.env.txn().map_err(err)?;
         let mut first = None;
         let mut missing = 0u64;
         for key in keys.iter() {
-            if self.db.lazily_decode_data().get(&rtxn, key).map_err(err)?.is_none() {
+            if txn.get(key).map_err(err)?.is_none() {
                 missing += 1;
                 first.get_or_insert(key);
             }
@@ -760,18 +780,18 @@ fn probe_field(
         codec: field.codec.to_string(),
         message,
     };
-    let rtxn = env.env.read_txn().map_err(|e| field_err(e.to_string()))?;
+    let txn = env.env.txn().map_err(|e| field_err(e.to_string()))?;
+    let mut value = Vec::new();
     let mut merged: Option<(DType, Vec<Option<u64>>, String)> = None;
     let mut largest = 0u64;
     for index in 0..probe {
         let key = keys.get(index);
         let read_err = |message: String| read_error(&field.env, key, &field.name, &field.codec, index as u64, message);
-        let probed = env
-            .db
-            .get(&rtxn, key)
+        let probed = txn
+            .read(key, &mut value)
             .map_err(|e| read_err(e.to_string()))
-            .and_then(|value| value.ok_or_else(|| read_err("the key is missing".into())))
-            .and_then(|value| field.codec.probe(value).map_err(|e| read_err(e.to_string())))
+            .and_then(|found| if found { Ok(()) } else { Err(read_err("the key is missing".into())) })
+            .and_then(|()| field.codec.probe(&value).map_err(|e| read_err(e.to_string())))
             .and_then(|info| match info.check_size(max_bytes) {
                 Ok(_) => Ok(info),
                 Err(e) => Err(read_err(e.to_string())),
@@ -779,6 +799,8 @@ fn probe_field(
         let info = match (probed, on_error) {
             (Ok(info), _) => info,
             (Err(e), OnError::Fail) => return Err(e),
+            // A truncated or corrupt file is not a bad value to skip.
+            (Err(e), OnError::Skip) if env.env.poisoned().is_some() => return Err(e),
             (Err(e), OnError::Skip) => {
                 tracing::warn!(error = %e, "LMDB probe: skipping a bad value");
                 continue;
@@ -855,15 +877,18 @@ pub struct EnvScan {
 /// format of the first `probe` sample values and probes their shapes.
 pub fn scan(path: &Path, probe: usize) -> Result<EnvScan, SourceError> {
     let env = SharedEnv::open(path)?;
-    let err = |e: heed::Error| SourceError::LmdbOpen { env: path.to_owned(), message: e.to_string() };
-    let rtxn = env.env.read_txn().map_err(err)?;
+    let err = |e: GuardError| SourceError::LmdbOpen { env: path.to_owned(), message: e.to_string() };
+    let txn = env.env.txn().map_err(err)?;
+    let mut cursor = txn.cursor().map_err(err)?;
+    let mut value = Vec::new();
     let mut scan = EnvScan::default();
     let mut patterns: BTreeMap<String, u64> = BTreeMap::new();
     let mut formats: BTreeMap<String, u64> = BTreeMap::new();
     let mut shapes: BTreeMap<String, u64> = BTreeMap::new();
     let mut last = None;
-    for entry in env.db.lazily_decode_data().iter(&rtxn).map_err(err)? {
-        let (key, lazy) = entry.map_err(err)?;
+    loop {
+        let want_value = (scan.probed as usize) < probe;
+        let Some((key, value_at)) = cursor.next_entry(want_value).map_err(err)? else { break };
         scan.entries += 1;
         if is_metadata_key(key) {
             scan.metadata_keys.push(show_key(key));
@@ -887,11 +912,12 @@ pub fn scan(path: &Path, probe: usize) -> Result<EnvScan, SourceError> {
         } else {
             last = Some(show_key(key));
         }
-        if (scan.probed as usize) < probe {
+        if let Some(value_at) = value_at {
             scan.probed += 1;
-            let value =
-                lazy.decode().map_err(|e| SourceError::LmdbOpen { env: path.to_owned(), message: e.to_string() })?;
-            let (format, info) = sniff_value(value);
+            value.clear();
+            value.resize(value_at.len(), 0);
+            txn.copy(value_at, &mut value).map_err(err)?;
+            let (format, info) = sniff_value(&value);
             *formats.entry(format).or_default() += 1;
             if let Some(info) = info {
                 *shapes.entry(info.to_string()).or_default() += 1;

@@ -67,6 +67,13 @@ pub trait Source: Send + Sync + std::fmt::Debug {
         0
     }
 
+    /// Why the source can no longer be read, once a read found one of its
+    /// mapped files truncated or corrupt (LMDB). A poisoned source fails
+    /// every read; whoever caches sources must open a fresh one instead.
+    fn poisoned(&self) -> Option<String> {
+        None
+    }
+
     /// Writes every field of `sample` into `out` (one entry per field, in
     /// field order): a fixed-shape field fills `data` exactly; a ragged field
     /// writes its values at the start of `data` and its shape into `shape`.
