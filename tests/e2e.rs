@@ -220,12 +220,10 @@ fn fuzzed_requests_never_take_the_daemon_down() {
     write_files(dir.path());
     let mut daemon = Daemon::start(dir.path(), 2);
     let glob = format!("{}/part*.h5", dir.path().display());
-    let hello =
-        encode_frame(&Request::Hello { version: PROTOCOL_VERSION, client: "fuzz".into(), job: None }).unwrap();
+    let hello = encode_frame(&Request::Hello { version: PROTOCOL_VERSION, client: "fuzz".into(), job: None }).unwrap();
     let big = prop_oneof![Just(0u64), Just(1), Just(u64::MAX), Just(1 << 32), Just(1 << 62), any::<u64>(), 0..200u64];
     let case = (0..4u8, big.clone(), big.clone(), big.clone(), big.clone(), big.clone(), big, any::<Vec<u8>>());
-    let mut runner =
-        proptest::test_runner::TestRunner::new(ProptestConfig { cases: 300, ..ProptestConfig::default() });
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig { cases: 300, ..ProptestConfig::default() });
     let socket = daemon.socket.clone();
     let child = std::cell::RefCell::new(&mut daemon.child);
     runner
@@ -272,7 +270,10 @@ fn fuzzed_requests_never_take_the_daemon_down() {
                 }
             };
             if let Some(stream) = opened {
-                let _ = raw_exchange(&mut sock, &encode_frame(&Request::SetEpoch { stream, epoch: b, step: c % 8 }).unwrap());
+                let _ = raw_exchange(
+                    &mut sock,
+                    &encode_frame(&Request::SetEpoch { stream, epoch: b, step: c % 8 }).unwrap(),
+                );
                 // One-way: no reply to wait for.
                 let release = encode_frame(&Request::Release { stream, slot: (a % 1000) as u32 }).unwrap();
                 let _ = std::io::Write::write_all(&mut sock, &release);
@@ -284,7 +285,6 @@ fn fuzzed_requests_never_take_the_daemon_down() {
             Ok(())
         })
         .unwrap();
-    drop(child);
     // Everyone else is still served, with the right values.
     let client = Client::connect(&daemon.socket).unwrap();
     let stream = client.open_stream(open(10, 0, 1, false)).unwrap();

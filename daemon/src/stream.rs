@@ -505,7 +505,7 @@ mod tests {
                         outcomes.push(Ok(b.step));
                         assert!(stream.release(b.slot));
                     }
-                    Delivery::Failed(message) => outcomes.push(Err(message)),
+                    Delivery::Failed { message, .. } => outcomes.push(Err(message)),
                     Delivery::EndOfEpoch(0) => break,
                     other => panic!("unexpected {other:?}"),
                 }
