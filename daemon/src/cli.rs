@@ -165,6 +165,7 @@ fn serve(config: Option<&Path>, socket: Option<PathBuf>, log_level: Option<Strin
     if let Some(s) = socket {
         settings.socket = s;
     }
+    raise_fd_limit();
     let socket = settings.socket.clone();
     let runtime =
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("stoker-io").enable_all().build()?;
@@ -174,6 +175,20 @@ fn serve(config: Option<&Path>, socket: Option<PathBuf>, log_level: Option<Strin
         crate::server::run(daemon, listener, socket, shutdown_signal()).await
     })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Raises the soft limit on open descriptors to the hard one: each open HDF5
+/// file takes two, and 1024 (the usual soft limit) is soon reached.
+fn raise_fd_limit() {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    if limit.current != limit.maximum {
+        let raised = rustix::process::Rlimit { current: limit.maximum, maximum: limit.maximum };
+        match setrlimit(Resource::Nofile, raised) {
+            Ok(()) => tracing::debug!(from = ?limit.current, to = ?limit.maximum, "raised the open-file limit"),
+            Err(e) => tracing::warn!(error = %e, "cannot raise the open-file limit to the hard limit"),
+        }
+    }
 }
 
 async fn shutdown_signal() {

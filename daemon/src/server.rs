@@ -170,21 +170,23 @@ struct Connection {
     daemon: Arc<Daemon>,
     id: u64,
     pid: u32,
+    peer: crate::fsaccess::Peer,
     writer: OwnedWriteHalf,
     streams: HashMap<u64, Arc<Stream>>,
     greeted: bool,
 }
 
 async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: u64, mut stop: watch::Receiver<bool>) {
-    let (uid, pid) = match sock.peer_cred() {
-        Ok(cred) => (cred.uid(), cred.pid().unwrap_or(0) as u32),
+    let (uid, gid, pid) = match sock.peer_cred() {
+        Ok(cred) => (cred.uid(), cred.gid(), cred.pid().unwrap_or(0) as u32),
         Err(e) => {
             tracing::warn!(error = %e, "cannot read peer credentials; closing");
             return;
         }
     };
     let (reader, writer) = sock.into_split();
-    let mut conn = Connection { daemon: daemon.clone(), id, pid, writer, streams: HashMap::new(), greeted: false };
+    let peer = crate::fsaccess::Peer { uid, gid, pid };
+    let mut conn = Connection { daemon: daemon.clone(), id, pid, peer, writer, streams: HashMap::new(), greeted: false };
     let allowed = uid == 0 || uid == daemon.own_uid || daemon.settings.allowed_uids.contains(&uid);
     if !allowed {
         tracing::warn!(uid, pid, "refused: uid not allowed");
@@ -399,8 +401,8 @@ impl Connection {
             ));
         }
         let daemon = self.daemon.clone();
-        let dataset = open.dataset.clone();
-        let opened = tokio::task::spawn_blocking(move || daemon.datasets.open(&dataset))
+        let (dataset, peer) = (open.dataset.clone(), self.peer);
+        let opened = tokio::task::spawn_blocking(move || daemon.datasets.open(&dataset, &peer))
             .await
             .map_err(|e| (ErrorKind::Internal, format!("dataset open panicked: {e}")))??;
         let (label, source) = (opened.label, opened.source);

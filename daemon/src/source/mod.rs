@@ -103,6 +103,18 @@ pub enum SourceError {
         /// The roots in force.
         roots: Vec<PathBuf>,
     },
+    /// A file could not be opened by handle: outside the allowed roots, not
+    /// a regular file, or refused with the client's rights.
+    #[error("{0}")]
+    Access(#[from] crate::fsaccess::AccessError),
+    /// A file changed (replaced, rewritten, appended to) while being served.
+    #[error("{path} {message}")]
+    Changed {
+        /// The file.
+        path: PathBuf,
+        /// How it changed, and what to do.
+        message: String,
+    },
     /// The file cannot be opened as HDF5.
     #[error("cannot open {path} as HDF5: {message}")]
     Open {
