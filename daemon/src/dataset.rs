@@ -67,7 +67,7 @@ enum Resolved {
 
 /// Files opened by handle for a dataset.
 enum Files {
-    Hdf5(Vec<fsaccess::Opened>),
+    Hdf5(Vec<fsaccess::Checked>),
     Lmdb(CheckedLmdb, Vec<FileId>),
 }
 
@@ -319,7 +319,7 @@ fn max_open_files(configured: usize) -> usize {
 /// Opens every file of the dataset by handle (run with the requester's rights).
 fn open_files(resolved: &Resolved, roots: Option<&[PathBuf]>) -> Result<Files, SourceError> {
     match resolved {
-        Resolved::Hdf5(spec) => hdf5::open_files(spec, roots).map(Files::Hdf5),
+        Resolved::Hdf5(spec) => hdf5::check_files(spec, roots).map(Files::Hdf5),
         Resolved::Lmdb(spec) => {
             let mut checked = CheckedLmdb::default();
             let mut ids = Vec::new();

@@ -109,6 +109,25 @@ impl Opened {
     pub fn proc_path(&self) -> PathBuf {
         fd_path(&self.file)
     }
+
+    /// Closes the file, keeping what identifies it (to open it again with
+    /// [`reopen_same`] without holding a descriptor per file meanwhile).
+    pub fn close(self) -> Checked {
+        Checked { path: self.path, canonical: self.canonical, root: self.root, id: self.id }
+    }
+}
+
+/// A file checked by [`open`] and closed again.
+#[derive(Debug, Clone)]
+pub struct Checked {
+    /// The path as the dataset names it (for messages).
+    pub path: PathBuf,
+    /// The resolved path (no symlinks) it was opened at.
+    pub canonical: PathBuf,
+    /// The allowed root it was opened beneath, if any.
+    pub root: Option<PathBuf>,
+    /// Its identity when checked.
+    pub id: FileId,
 }
 
 /// The files of an LMDB dataset, opened by handle beforehand.
@@ -185,7 +204,8 @@ pub enum AccessError {
 }
 
 impl AccessError {
-    fn io(path: &Path, source: impl Into<std::io::Error>, rights: bool) -> AccessError {
+    /// An I/O error; `rights` says whether the client's rights were in force (for the hint).
+    pub fn io(path: &Path, source: impl Into<std::io::Error>, rights: bool) -> AccessError {
         let source = source.into();
         let hint = match source.raw_os_error() {
             Some(libc::EACCES) | Some(libc::EPERM) if rights => {

@@ -78,7 +78,8 @@ pub trait Source: Send + Sync + std::fmt::Debug {
 pub enum SourceError {
     /// The glob matches nothing.
     #[error(
-        "no files match {pattern:?}; check the path, or that the files exist and are readable by the daemon's user"
+        "no files match {pattern:?}; check the path, or that the files exist and are readable (by you, for \
+         ad-hoc datasets; by the daemon's user, for datasets named in its config)"
     )]
     NoFiles {
         /// The glob.

@@ -112,6 +112,21 @@ impl OpenFiles {
         open.iter().filter(|w| w.strong_count() > 0).count()
     }
 
+    /// Closes the open handles of files that have `id`'s device and inode but
+    /// not its size or mtime: they were changed since they were opened.
+    fn close_changed(&self, id: &FileId) {
+        let stale: Vec<Arc<Hdf5File>> = {
+            let open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+            open.iter()
+                .filter_map(Weak::upgrade)
+                .filter(|f| (f.id.dev, f.id.ino) == (id.dev, id.ino) && f.id != *id)
+                .collect()
+        };
+        for file in stale {
+            file.lock().take();
+        }
+    }
+
     fn touch(&self, file: &Hdf5File) {
         file.used.store(self.clock.fetch_add(1, Ordering::Relaxed), Ordering::Relaxed);
     }
@@ -158,20 +173,21 @@ pub struct Hdf5Source {
     limit: Arc<OpenFiles>,
 }
 
-/// Lists the files of `spec`'s glob (sorted) and opens each by handle
-/// ([`fsaccess::open`]), beneath `allowed_roots` when given. Runs with the
-/// rights of whoever asked for the dataset ([`fsaccess::with_rights`]).
-pub fn open_files(spec: &Hdf5Spec, allowed_roots: Option<&[PathBuf]>) -> Result<Vec<fsaccess::Opened>, SourceError> {
-    let paths = expand(&spec.files)?;
-    paths.iter().map(|p| fsaccess::open(p, allowed_roots, Want::File).map_err(SourceError::from)).collect()
+/// Lists the files of `spec`'s glob (sorted) and checks each by opening it by
+/// handle ([`fsaccess::open`]), beneath `allowed_roots` when given, then
+/// closes it again (a dataset may have more files than descriptors). Runs
+/// with the rights of whoever asked for the dataset ([`fsaccess::with_rights`]).
+pub fn check_files(spec: &Hdf5Spec, allowed_roots: Option<&[PathBuf]>) -> Result<Vec<fsaccess::Checked>, SourceError> {
+    let paths = expand(&spec.files, allowed_roots.is_some())?;
+    paths.iter().map(|p| Ok(fsaccess::open(p, allowed_roots, Want::File)?.close())).collect()
 }
 
 impl Hdf5Source {
     /// Opens the dataset over `opened`, the files of the spec's glob from
-    /// [`open_files`], in order.
+    /// [`check_files`], in order; each must still be the file checked.
     pub fn open(
         spec: &Hdf5Spec,
-        opened: Vec<fsaccess::Opened>,
+        opened: Vec<fsaccess::Checked>,
         cache: Arc<ChunkCache>,
         limit: Arc<OpenFiles>,
     ) -> Result<Hdf5Source, SourceError> {
@@ -205,8 +221,13 @@ impl Hdf5Source {
         let mut big_chunks: Vec<(String, usize)> = Vec::new();
         for checked in opened {
             let cache_ids: Vec<u64> = spec.fields.iter().map(|_| cache.new_id()).collect();
-            let (handle, file_specs, items, windows) =
-                open_file(&checked.path, checked.file, spec, &windowed, &cache_ids)?;
+            let raw = fsaccess::reopen_same(&checked.canonical, checked.root.as_deref(), &checked.id)
+                .map_err(|message| SourceError::Changed { path: checked.path.clone(), message })?;
+            // libhdf5 shares one open of a file (by device and inode) among its
+            // handles: an older open of this file from before it changed would
+            // hand us its stale metadata.
+            limit.close_changed(&checked.id);
+            let (handle, file_specs, items, windows) = open_file(&checked.path, raw, spec, &windowed, &cache_ids)?;
             match &specs {
                 None => {
                     for (field, reader) in file_specs.iter().zip(&handle.fields) {
@@ -352,7 +373,10 @@ impl Source for Hdf5Source {
     }
 }
 
-fn expand(pattern: &str) -> Result<Vec<PathBuf>, SourceError> {
+/// The files matching `pattern`, sorted. Glob sees only what the caller may
+/// list: when nothing matches because a directory is closed to the caller, or
+/// the pattern names one file, that file's open reports why.
+fn expand(pattern: &str, client: bool) -> Result<Vec<PathBuf>, SourceError> {
     let bad = |message: String| SourceError::BadGlob { pattern: pattern.to_string(), message };
     let mut paths = Vec::new();
     for entry in glob::glob(pattern).map_err(|e| bad(e.to_string()))? {
@@ -363,6 +387,16 @@ fn expand(pattern: &str) -> Result<Vec<PathBuf>, SourceError> {
     paths.retain(|p| !p.is_dir());
     paths.sort();
     if paths.is_empty() {
+        let is_glob = |c: &std::path::Component<'_>| c.as_os_str().to_string_lossy().contains(['*', '?', '[']);
+        let literal: PathBuf = Path::new(pattern).components().take_while(|c| !is_glob(c)).collect();
+        if literal.as_os_str().len() == pattern.len() {
+            return Ok(vec![literal]);
+        }
+        if let Err(e) = std::fs::read_dir(&literal)
+            && e.kind() == std::io::ErrorKind::PermissionDenied
+        {
+            return Err(fsaccess::AccessError::io(&literal, e, client).into());
+        }
         return Err(SourceError::NoFiles { pattern: pattern.to_string() });
     }
     Ok(paths)
