@@ -87,7 +87,8 @@ impl Datasets {
         let open: Arc<Registry> = Arc::default();
         let idle = Duration::from_secs_f64(settings.limits.idle_close_s.max(0.0));
         let weak = Arc::downgrade(&open);
-        let spawned = std::thread::Builder::new().name("stoker-idle-close".into()).spawn(move || close_idle(weak, idle));
+        let spawned =
+            std::thread::Builder::new().name("stoker-idle-close".into()).spawn(move || close_idle(weak, idle));
         if let Err(e) = spawned {
             tracing::warn!(error = %e, "cannot start the idle-close thread: idle datasets stay open");
         }

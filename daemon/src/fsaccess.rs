@@ -105,11 +105,6 @@ pub struct Opened {
 }
 
 impl Opened {
-    /// A path that names this open file itself, for libraries that take paths.
-    pub fn proc_path(&self) -> PathBuf {
-        fd_path(&self.file)
-    }
-
     /// Closes the file, keeping what identifies it (to open it again with
     /// [`reopen_same`] without holding a descriptor per file meanwhile).
     pub fn close(self) -> Checked {
@@ -261,7 +256,8 @@ fn client_groups(peer: &Peer) -> Vec<u32> {
     };
     let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).map(str::split_whitespace);
     // The pid may have been reused by another user's process since it connected.
-    let uid_matches = field("Uid:").and_then(|mut ids| ids.nth(1)).and_then(|s| s.parse::<u32>().ok()) == Some(peer.uid);
+    let uid_matches =
+        field("Uid:").and_then(|mut ids| ids.nth(1)).and_then(|s| s.parse::<u32>().ok()) == Some(peer.uid);
     if uid_matches && let Some(list) = field("Groups:") {
         groups.extend(list.filter_map(|g| g.parse::<u32>().ok()).filter(|g| *g != peer.gid));
     }
@@ -357,9 +353,7 @@ pub fn reopen_same(canonical: &Path, root: Option<&Path>, id: &FileId) -> Result
         .map_err(|e| format!("could not be opened again while being served ({e})"))?;
     match id.change(&opened.id) {
         None => Ok(opened.file),
-        Some(change) => {
-            Err(format!("{change} while being served; open a new Loader to read the new contents"))
-        }
+        Some(change) => Err(format!("{change} while being served; open a new Loader to read the new contents")),
     }
 }
 
@@ -462,14 +456,7 @@ mod tests {
         assert!(beneath.is_err(), "followed a swapped symlink out of the root");
         drop(before);
         let fifo = root.join("fifo");
-        rustix::fs::mknodat(
-            rustix::fs::CWD,
-            &fifo,
-            rustix::fs::FileType::Fifo,
-            Mode::from_raw_mode(0o600),
-            0,
-        )
-        .unwrap();
+        rustix::fs::mknodat(rustix::fs::CWD, &fifo, rustix::fs::FileType::Fifo, Mode::from_raw_mode(0o600), 0).unwrap();
         let err = open(&fifo, Some(&roots), Want::File).unwrap_err();
         assert!(err.to_string().contains("FIFO"), "{err}");
         let err = open(&root, Some(&roots), Want::File).unwrap_err();

@@ -186,7 +186,8 @@ async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: u64, mut st
     };
     let (reader, writer) = sock.into_split();
     let peer = crate::fsaccess::Peer { uid, gid, pid };
-    let mut conn = Connection { daemon: daemon.clone(), id, pid, peer, writer, streams: HashMap::new(), greeted: false };
+    let mut conn =
+        Connection { daemon: daemon.clone(), id, pid, peer, writer, streams: HashMap::new(), greeted: false };
     let allowed = uid == 0 || uid == daemon.own_uid || daemon.settings.allowed_uids.contains(&uid);
     if !allowed {
         tracing::warn!(uid, pid, "refused: uid not allowed");

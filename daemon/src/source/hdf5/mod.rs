@@ -116,11 +116,11 @@ impl OpenFiles {
     /// not its size or mtime: they were changed since they were opened.
     fn close_changed(&self, id: &FileId) {
         let stale: Vec<Arc<Hdf5File>> = {
-            let open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
-            open.iter()
-                .filter_map(Weak::upgrade)
-                .filter(|f| (f.id.dev, f.id.ino) == (id.dev, id.ino) && f.id != *id)
-                .collect()
+            let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+            let is_stale = |f: &Hdf5File| (f.id.dev, f.id.ino) == (id.dev, id.ino) && f.id != *id;
+            let stale = open.iter().filter_map(Weak::upgrade).filter(|f| is_stale(f)).collect();
+            open.retain(|w| w.upgrade().is_some_and(|f| !is_stale(&f)));
+            stale
         };
         for file in stale {
             file.lock().take();
@@ -135,17 +135,20 @@ impl OpenFiles {
     /// beyond the bound. No file's handle lock is held while this runs.
     fn opened(&self, file: &Arc<Hdf5File>) {
         self.touch(file);
+        let me = Arc::downgrade(file);
         let victims = {
             let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
             open.retain(|w| w.strong_count() > 0);
-            open.push(Arc::downgrade(file));
+            if !open.iter().any(|w| w.ptr_eq(&me)) {
+                open.push(me.clone());
+            }
             let mut victims = Vec::new();
             while open.len() > self.max {
                 let oldest = open
                     .iter()
                     .enumerate()
+                    .filter(|(_, w)| !w.ptr_eq(&me))
                     .filter_map(|(i, w)| w.upgrade().map(|f| (f.used.load(Ordering::Relaxed), i)))
-                    .filter(|&(_, i)| !open[i].ptr_eq(&Arc::downgrade(file)))
                     .min();
                 let Some((_, i)) = oldest else { break };
                 victims.extend(open.swap_remove(i).upgrade());
@@ -334,10 +337,8 @@ impl Source for Hdf5Source {
         let handle = self.handle(file)?;
         // A file rewritten or appended to under a stream would deliver rows
         // that are neither the old nor the new contents: fail, naming it.
-        let now = FileId::of(&handle.raw).map_err(|e| SourceError::Changed {
-            path: file.path.clone(),
-            message: format!("cannot stat it: {e}"),
-        })?;
+        let now = FileId::of(&handle.raw)
+            .map_err(|e| SourceError::Changed { path: file.path.clone(), message: format!("cannot stat it: {e}") })?;
         if let Some(change) = file.id.change(&now) {
             return Err(SourceError::Changed {
                 path: file.path.clone(),
@@ -479,8 +480,8 @@ fn open_file(
             found,
         })?;
         let mem_type = hdf5::Datatype::from_descriptor(&descriptor).map_err(|e| field_err(e.to_string()))?;
-        let reader = FieldReader::new(dataset, dtype, &file_type, mem_type, cache_id, spec.fast_path)
-            .map_err(field_err)?;
+        let reader =
+            FieldReader::new(dataset, dtype, &file_type, mem_type, cache_id, spec.fast_path).map_err(field_err)?;
         specs.push(FieldSpec {
             name: name.clone(),
             origin: h5path.clone(),
