@@ -186,8 +186,11 @@ os.setgroups(args["groups"])
 os.setgid(args["gid"])
 os.setuid(args["uid"])
 try:
-    loader = stoker.Loader(stoker.hdf5(args["files"], fields={"x": "x"}), batch_size=4, shuffle=False,
-                           socket=args["socket"], timeout=60)
+    if args["kind"] == "lmdb":
+        spec = stoker.lmdb(args["files"], fields={"x": {"codec": "raw", "dtype": "int32", "shape": [2]}})
+    else:
+        spec = stoker.hdf5(args["files"], fields={"x": "x"})
+    loader = stoker.Loader(spec, batch_size=4, shuffle=False, socket=args["socket"], timeout=60)
     x = np.concatenate([np.array(b["x"]) for b in loader])
     print(json.dumps({"ok": x.tolist()}))
 except stoker.StokerError as e:
@@ -195,8 +198,8 @@ except stoker.StokerError as e:
 """
 
 
-def run_as(uid: int, gid: int, groups: list[int], socket: str, files: str) -> dict[str, Any]:
-    args = {"socket": socket, "files": files, "uid": uid, "gid": gid, "groups": groups}
+def run_as(uid: int, gid: int, groups: list[int], socket: str, files: str, kind: str = "hdf5") -> dict[str, Any]:
+    args = {"socket": socket, "files": files, "uid": uid, "gid": gid, "groups": groups, "kind": kind}
     res = subprocess.run(
         [sys.executable, "-c", CLIENT, json.dumps(args)], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S
     )
@@ -243,6 +246,15 @@ def test_client_reads_only_what_it_may(stoker: Any, other_user: tuple[int, int, 
         # Without the group, the shared file is closed to it.
         got = run_as(uid, gid, [], d.socket, str(shared / "g.h5"))
         assert got.get("error") == "AccessDenied", got
+        # The same for LMDB environments.
+        rows = {key(i): np.array([i, -i], dtype="<i4").tobytes() for i in range(4)}
+        write_env(public / "env.lmdb", rows)
+        write_env(secret / "env.lmdb", rows)
+        got = run_as(uid, gid, [extra_gid], d.socket, str(public / "env.lmdb"), kind="lmdb")
+        assert got.get("ok") == [[i, -i] for i in range(4)], got
+        got = run_as(uid, gid, [extra_gid], d.socket, str(secret / "env.lmdb"), kind="lmdb")
+        assert got.get("error") == "AccessDenied", got
+        assert str(secret / "env.lmdb") in got["message"], got
         # Root itself still reads the secret file.
         x = read_all(stoker, stoker.hdf5(str(secret / "s.h5"), fields={"x": "x"}), d.socket)
         assert (x == 999).all()
