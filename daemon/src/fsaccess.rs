@@ -145,7 +145,9 @@ impl CheckedLmdb {
         let file = env.try_clone_inner_file().map_err(|e| err(format!("cannot check its data file: {e}")))?;
         let got = FileId::of(&file).map_err(|e| err(format!("cannot check its data file: {e}")))?;
         if (got.dev, got.ino) != (want.dev, want.ino) {
-            return Err(err("was replaced while being opened; try again".into()));
+            return Err(err("is not the file checked a moment ago: it was replaced while being opened, or a \
+                 dataset opened before the replacement still holds the old one (close its Loaders and try again)"
+                .into()));
         }
         Ok(())
     }

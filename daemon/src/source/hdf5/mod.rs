@@ -20,7 +20,7 @@ pub(crate) mod field;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 
 use hdf5::types::{FloatSize, IntSize, TypeDescriptor};
 use stoker_proto::DType;
@@ -70,9 +70,25 @@ struct Hdf5File {
     /// Samples per item (1 without a window).
     windows: u64,
     /// `None` while closed to bound open files.
-    handle: Mutex<Option<Arc<OpenHdf5>>>,
-    /// When it was last read, on [`OpenFiles`]' clock.
+    handle: RwLock<Option<Arc<OpenHdf5>>>,
+    /// When it was last read (to within [`USE_GRAIN_US`]), in µs since [`EPOCH`].
     used: AtomicU64,
+    /// When its size and mtime were last checked, in µs since [`EPOCH`].
+    checked_us: AtomicU64,
+}
+
+/// Reads of one file check it for changes at most this often (an `fstat`
+/// per sample would cost as much as reading a small sample).
+const CHANGE_CHECK_US: u64 = 1_000;
+
+/// Reads record that a file was used at most this often (no shared write per sample).
+const USE_GRAIN_US: u64 = 1_000;
+
+/// The origin of `checked_us` and `used`.
+static EPOCH: std::sync::LazyLock<std::time::Instant> = std::sync::LazyLock::new(std::time::Instant::now);
+
+fn now_us() -> u64 {
+    u64::try_from(EPOCH.elapsed().as_micros()).unwrap_or(u64::MAX).max(1)
 }
 
 /// The handles of an open file.
@@ -85,8 +101,15 @@ struct OpenHdf5 {
 }
 
 impl Hdf5File {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Arc<OpenHdf5>>> {
-        self.handle.lock().unwrap_or_else(PoisonError::into_inner)
+    fn close(&self) {
+        self.handle.write().unwrap_or_else(PoisonError::into_inner).take();
+    }
+
+    fn touch(&self) {
+        let now = now_us();
+        if now.saturating_sub(self.used.load(Ordering::Relaxed)) >= USE_GRAIN_US {
+            self.used.store(now, Ordering::Relaxed);
+        }
     }
 }
 
@@ -96,14 +119,13 @@ impl Hdf5File {
 #[derive(Debug)]
 pub struct OpenFiles {
     max: usize,
-    clock: AtomicU64,
     open: Mutex<Vec<Weak<Hdf5File>>>,
 }
 
 impl OpenFiles {
     /// At most `max` files open (at least 1).
     pub fn new(max: usize) -> Arc<OpenFiles> {
-        Arc::new(OpenFiles { max: max.max(1), clock: AtomicU64::new(0), open: Mutex::new(Vec::new()) })
+        Arc::new(OpenFiles { max: max.max(1), open: Mutex::new(Vec::new()) })
     }
 
     /// Files open now.
@@ -123,18 +145,14 @@ impl OpenFiles {
             stale
         };
         for file in stale {
-            file.lock().take();
+            file.close();
         }
-    }
-
-    fn touch(&self, file: &Hdf5File) {
-        file.used.store(self.clock.fetch_add(1, Ordering::Relaxed), Ordering::Relaxed);
     }
 
     /// Records that `file` was opened and closes the least recently read
     /// beyond the bound. No file's handle lock is held while this runs.
     fn opened(&self, file: &Arc<Hdf5File>) {
-        self.touch(file);
+        file.used.store(now_us(), Ordering::Relaxed);
         let me = Arc::downgrade(file);
         let victims = {
             let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
@@ -157,7 +175,7 @@ impl OpenFiles {
         };
         for victim in victims {
             // Readers holding the handle keep it until they finish.
-            victim.lock().take();
+            victim.close();
         }
     }
 }
@@ -254,8 +272,9 @@ impl Hdf5Source {
                 id: checked.id,
                 cache_ids,
                 windows: windows.max(1),
-                handle: Mutex::new(Some(Arc::new(handle))),
+                handle: RwLock::new(Some(Arc::new(handle))),
                 used: AtomicU64::new(0),
+                checked_us: AtomicU64::new(0),
             });
             limit.opened(&file);
             files.push(file);
@@ -296,9 +315,12 @@ impl Hdf5Source {
     /// files; fails when the file is no longer what the dataset opened.
     fn handle(&self, file: &Arc<Hdf5File>) -> Result<Arc<OpenHdf5>, SourceError> {
         let changed = |message: String| SourceError::Changed { path: file.path.clone(), message };
-        let mut slot = file.lock();
+        if let Some(handle) = file.handle.read().unwrap_or_else(PoisonError::into_inner).as_ref() {
+            file.touch();
+            return Ok(handle.clone());
+        }
+        let mut slot = file.handle.write().unwrap_or_else(PoisonError::into_inner);
         if let Some(handle) = slot.as_ref() {
-            self.limit.touch(file);
             return Ok(handle.clone());
         }
         let raw = fsaccess::reopen_same(&file.canonical, file.root.as_deref(), &file.id).map_err(changed)?;
@@ -335,16 +357,7 @@ impl Source for Hdf5Source {
         let file_idx = self.starts.partition_point(|&s| s <= index) - 1;
         let file = &self.files[file_idx];
         let handle = self.handle(file)?;
-        // A file rewritten or appended to under a stream would deliver rows
-        // that are neither the old nor the new contents: fail, naming it.
-        let now = FileId::of(&handle.raw)
-            .map_err(|e| SourceError::Changed { path: file.path.clone(), message: format!("cannot stat it: {e}") })?;
-        if let Some(change) = file.id.change(&now) {
-            return Err(SourceError::Changed {
-                path: file.path.clone(),
-                message: format!("{change} while being served; open a new Loader to read the new contents"),
-            });
-        }
+        check_unchanged(file, &handle)?;
         let local = index - self.starts[file_idx];
         let (item, step) = (local / file.windows, local % file.windows);
         for (f, dst) in out.iter_mut().enumerate() {
@@ -377,6 +390,23 @@ impl Source for Hdf5Source {
 /// The files matching `pattern`, sorted. Glob sees only what the caller may
 /// list: when nothing matches because a directory is closed to the caller, or
 /// the pattern names one file, that file's open reports why.
+/// A file rewritten or appended to under a stream would deliver rows that
+/// are neither the old nor the new contents: fail instead, naming it.
+fn check_unchanged(file: &Hdf5File, handle: &OpenHdf5) -> Result<(), SourceError> {
+    let now_us = now_us();
+    let last = file.checked_us.load(Ordering::Relaxed);
+    if last != 0 && now_us.saturating_sub(last) < CHANGE_CHECK_US {
+        return Ok(());
+    }
+    let changed = |message: String| SourceError::Changed { path: file.path.clone(), message };
+    let now = FileId::of(&handle.raw).map_err(|e| changed(format!("cannot be checked for changes: {e}")))?;
+    if let Some(change) = file.id.change(&now) {
+        return Err(changed(format!("{change} while being served; open a new Loader to read the new contents")));
+    }
+    file.checked_us.store(now_us, Ordering::Relaxed);
+    Ok(())
+}
+
 fn expand(pattern: &str, client: bool) -> Result<Vec<PathBuf>, SourceError> {
     let bad = |message: String| SourceError::BadGlob { pattern: pattern.to_string(), message };
     let mut paths = Vec::new();
