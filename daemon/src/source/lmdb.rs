@@ -917,14 +917,19 @@ fn is_metadata_key(key: &[u8]) -> bool {
 /// Reads a key file: one key per line, or BasicSR `meta_info.txt` lines.
 fn read_key_file(path: &Path, opened: Option<&std::fs::File>) -> Result<Keys, SourceError> {
     let err = |e: std::io::Error| SourceError::LmdbKeyFile { path: path.to_owned(), message: e.to_string() };
-    let text = match opened {
-        Some(mut file) => {
-            let mut text = String::new();
-            std::io::Read::read_to_string(&mut file, &mut text).map_err(err)?;
-            text
-        }
-        None => std::fs::read_to_string(path).map_err(err)?,
+    // Opened here when not beforehand: a regular file only (a FIFO would block).
+    let own = match opened {
+        Some(_) => None,
+        None => Some(
+            crate::fsaccess::open(path, None, crate::fsaccess::Want::File)
+                .map_err(|e| SourceError::LmdbKeyFile { path: path.to_owned(), message: e.to_string() })?
+                .file,
+        ),
     };
+    let mut text = String::new();
+    if let Some(mut file) = opened.or(own.as_ref()) {
+        std::io::Read::read_to_string(&mut file, &mut text).map_err(err)?;
+    }
     let mut keys = Keys::default();
     for line in text.lines() {
         let line = line.trim();
