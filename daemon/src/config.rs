@@ -140,6 +140,13 @@ pub struct LimitsConfig {
     /// Shared memory all rings of all clients may take together, in bytes;
     /// 0 means half of the machine's physical memory.
     pub max_ring_bytes_total: u64,
+    /// HDF5 files open at once across all datasets (each takes two descriptors
+    /// and libhdf5's caches); the least recently read beyond it are closed and
+    /// reopened on their next read. Also bounded by half the descriptor limit.
+    pub max_open_files: usize,
+    /// Seconds a dataset no stream uses keeps its files open (and HDF5-locked)
+    /// for the next stream; 0 closes them when the last stream closes.
+    pub idle_close_s: f64,
 }
 
 impl LimitsConfig {
@@ -161,6 +168,8 @@ impl Default for LimitsConfig {
             max_sample_bytes: stoker_proto::DEFAULT_MAX_SAMPLE_BYTES,
             max_batch_bytes: stoker_proto::DEFAULT_MAX_BATCH_BYTES,
             max_ring_bytes_total: 0,
+            max_open_files: 512,
+            idle_close_s: 2.0,
         }
     }
 }
@@ -309,6 +318,15 @@ impl Config {
                 self.limits.max_message_bytes,
                 stoker_proto::MAX_FRAME_BYTES
             )));
+        }
+        if !(self.limits.idle_close_s >= 0.0 && self.limits.idle_close_s <= 86_400.0) {
+            return Err(invalid(format!(
+                "[limits] idle_close_s = {} must be between 0 and 86400",
+                self.limits.idle_close_s
+            )));
+        }
+        if self.limits.max_open_files == 0 {
+            return Err(invalid("[limits] max_open_files must be at least 1".into()));
         }
         for (name, ds) in &self.datasets {
             let ds = match ds {

@@ -1,20 +1,25 @@
 //! Which dataset a stream reads: resolves a client's [`DatasetRef`] (a name
 //! from the config, or an ad-hoc HDF5 or LMDB description) into an open
-//! [`Source`], checks ad-hoc paths against `allowed_roots`, and keeps opened
-//! sources for reuse by later streams (files stay open, caches stay warm): all
-//! sources in use, plus the [`KEEP_IDLE`] most recently used idle ones.
+//! [`Source`]. Ad-hoc files are opened by handle beneath `allowed_roots` with
+//! the client's rights ([`crate::fsaccess`]); named ones with the daemon's.
+//! Opened sources are shared by later streams while their files are
+//! unchanged (same device, inode, size and mtime, checked on every open) and
+//! closed once no stream has used them for `[limits] idle_close_s` (and beyond
+//! the [`KEEP_IDLE`] most recently used idle ones), which releases the files
+//! and their HDF5 locks.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, RwLock};
-use std::time::Instant;
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::{Duration, Instant};
 
 use stoker_proto::{DatasetInfo, DatasetRef, ErrorKind, LmdbDataset, TransformDef};
 
 use crate::cache::ChunkCache;
 use crate::codec::{Codec, RawLayout};
 use crate::config::{DatasetConfig, Hdf5DatasetConfig, Settings};
-use crate::source::hdf5::{Hdf5Source, Hdf5Spec, Window};
+use crate::fsaccess::{self, AccessError, CheckedLmdb, FileId, Peer, Rights, Want};
+use crate::source::hdf5::{self, Hdf5Source, Hdf5Spec, OpenFiles, Window};
 use crate::source::lmdb::{KeyFilter, LmdbField, LmdbSource, LmdbSpec, OnError};
 use crate::source::{Source, SourceError};
 use crate::transform::{Filter, Pair, Step};
@@ -34,14 +39,26 @@ pub struct Opened {
     pub source: Arc<dyn Source>,
 }
 
+/// One cached source: the identities of its files, and since when no stream uses it.
+#[derive(Debug)]
+struct Entry {
+    opened: Opened,
+    ids: Vec<FileId>,
+    used: Instant,
+    idle_since: Option<Instant>,
+}
+
+type Registry = Mutex<HashMap<String, Entry>>;
+
 /// Every dataset the daemon has opened.
 #[derive(Debug)]
 pub struct Datasets {
     /// Replaced as a whole on SIGHUP; sources already open stay as they are.
     settings: RwLock<Arc<Settings>>,
     chunk_cache: Arc<ChunkCache>,
-    /// Keyed by the resolved description, with when each was last opened.
-    open: Mutex<HashMap<String, (Opened, Instant)>>,
+    open_files: Arc<OpenFiles>,
+    /// Keyed by the resolved description.
+    open: Arc<Registry>,
 }
 
 enum Resolved {
@@ -49,13 +66,38 @@ enum Resolved {
     Lmdb(LmdbSpec),
 }
 
+/// Files opened by handle for a dataset.
+enum Files {
+    Hdf5(Vec<fsaccess::Checked>),
+    Lmdb(CheckedLmdb, Vec<FileId>),
+}
+
+impl Files {
+    fn ids(&self) -> Vec<FileId> {
+        match self {
+            Files::Hdf5(files) => files.iter().map(|f| f.id).collect(),
+            Files::Lmdb(_, ids) => ids.clone(),
+        }
+    }
+}
+
 impl Datasets {
-    /// An empty registry for `settings`.
+    /// An empty registry for `settings`; closes idle datasets on a thread of its own.
     pub fn new(settings: Settings, chunk_cache: Arc<ChunkCache>) -> Datasets {
-        Datasets { settings: RwLock::new(Arc::new(settings)), chunk_cache, open: Mutex::new(HashMap::new()) }
+        let open_files = OpenFiles::new(max_open_files(settings.limits.max_open_files));
+        let open: Arc<Registry> = Arc::default();
+        let idle = Duration::from_secs_f64(settings.limits.idle_close_s.max(0.0));
+        let weak = Arc::downgrade(&open);
+        let spawned =
+            std::thread::Builder::new().name("stoker-idle-close".into()).spawn(move || close_idle(weak, idle));
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start the idle-close thread: idle datasets stay open");
+        }
+        Datasets { settings: RwLock::new(Arc::new(settings)), chunk_cache, open_files, open }
     }
 
-    /// Uses `settings` for datasets opened from now on.
+    /// Uses `settings` for datasets opened from now on (limits such as
+    /// `max_open_files` and `idle_close_s` keep their values from the start).
     pub fn reload(&self, settings: Settings) {
         *self.settings.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(settings);
     }
@@ -64,33 +106,56 @@ impl Datasets {
         self.settings.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// Opens (or reuses) the dataset. Blocking: call it off the async threads.
-    pub fn open(&self, dataset: &DatasetRef) -> Result<Opened, Refusal> {
+    /// HDF5 files open now, across all datasets.
+    pub fn open_files(&self) -> usize {
+        self.open_files.count()
+    }
+
+    /// Opens (or reuses) the dataset for the client `peer`. Blocking: call it
+    /// off the async threads. Ad-hoc files are opened with the client's
+    /// rights; files changed since a cached source opened them are opened anew.
+    pub fn open(&self, dataset: &DatasetRef, peer: &Peer) -> Result<Opened, Refusal> {
         let (label, mut resolved) = self.resolve(dataset)?;
+        let settings = self.settings();
         if let Resolved::Lmdb(spec) = &mut resolved {
-            spec.max_value_bytes = self.settings().limits.max_sample_bytes;
+            spec.max_value_bytes = settings.limits.max_sample_bytes;
         }
         let key = match &resolved {
             Resolved::Hdf5(spec) => format!("hdf5 {spec:?}"),
             Resolved::Lmdb(spec) => format!("lmdb {spec:?}"),
         };
+        let rights = match dataset {
+            DatasetRef::Named(_) => Rights::Daemon,
+            _ => Rights::Client(*peer),
+        };
+        let roots = (!matches!(dataset, DatasetRef::Named(_))).then_some(settings.allowed_roots.as_slice());
+        let files = fsaccess::with_rights(rights, || open_files(&resolved, roots))
+            .map_err(|e| refuse(e.into()))?
+            .map_err(refuse)?;
+        let ids = files.ids();
         // A poisoned source (its file found truncated or corrupt) is opened afresh.
-        if let Some((opened, used)) = self.lock().get_mut(&key).filter(|(o, _)| o.source.poisoned().is_none()) {
-            *used = Instant::now();
-            return Ok(Opened { label, source: opened.source.clone() });
+        if let Some(entry) = self.lock().get_mut(&key)
+            && entry.ids == ids
+            && entry.opened.source.poisoned().is_none()
+        {
+            entry.used = Instant::now();
+            return Ok(Opened { label, source: entry.opened.source.clone() });
         }
-        let source: Arc<dyn Source> = match resolved {
-            Resolved::Hdf5(spec) => {
-                let settings = self.settings();
-                let roots = (!matches!(dataset, DatasetRef::Named(_))).then_some(settings.allowed_roots.as_slice());
-                Arc::new(Hdf5Source::open(&spec, roots, self.chunk_cache.clone()).map_err(refuse)?)
+        let source: Arc<dyn Source> = match (resolved, files) {
+            (Resolved::Hdf5(spec), Files::Hdf5(files)) => Arc::new(
+                Hdf5Source::open(&spec, files, self.chunk_cache.clone(), self.open_files.clone()).map_err(refuse)?,
+            ),
+            (Resolved::Lmdb(spec), Files::Lmdb(checked, _)) => {
+                Arc::new(LmdbSource::open_checked(&spec, &checked).map_err(refuse)?)
             }
-            Resolved::Lmdb(spec) => Arc::new(LmdbSource::open(&spec).map_err(refuse)?),
+            _ => unreachable!("open_files answers in the format it was asked"),
         };
         tracing::info!(dataset = %label, samples = source.len(), "opened dataset");
         let opened = Opened { label, source };
         let mut open = self.lock();
-        open.insert(key, (opened.clone(), Instant::now()));
+        // A changed file replaces the old entry: streams reading the old one
+        // keep it until they close (and fail if they read the changed bytes).
+        open.insert(key, Entry { opened: opened.clone(), ids, used: Instant::now(), idle_since: None });
         evict_idle(&mut open);
         Ok(opened)
     }
@@ -99,7 +164,7 @@ impl Datasets {
     pub fn named(&self) -> Vec<DatasetInfo> {
         let open = self.lock();
         let skipped = |name: &str| {
-            open.values().filter(|(o, _)| o.label == name).map(|(o, _)| o.source.skipped()).max().unwrap_or(0)
+            open.values().filter(|e| e.opened.label == name).map(|e| e.opened.source.skipped()).max().unwrap_or(0)
         };
         self.settings()
             .datasets
@@ -129,10 +194,14 @@ impl Datasets {
 
     /// `(label, samples skipped)` of every open dataset that skipped any.
     pub fn skips(&self) -> Vec<(String, u64)> {
-        self.lock().values().map(|(o, _)| (o.label.clone(), o.source.skipped())).filter(|(_, n)| *n > 0).collect()
+        self.lock()
+            .values()
+            .map(|e| (e.opened.label.clone(), e.opened.source.skipped()))
+            .filter(|(_, n)| *n > 0)
+            .collect()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, (Opened, Instant)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
         self.open.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -168,7 +237,7 @@ impl Datasets {
                     fields: fields.clone(),
                     window: window.map(|(size, stride)| Window { size, stride }),
                     per_item: per_item.clone(),
-                    fast_path: settings.hdf5_fast_path,
+                    fast_path: self.settings().hdf5_fast_path,
                 };
                 Ok((files.clone(), Resolved::Hdf5(spec)))
             }
@@ -205,26 +274,100 @@ impl Datasets {
 
 /// Closes the least recently used idle sources beyond [`KEEP_IDLE`]. A source
 /// is idle when only this registry holds it (no stream, no fill in flight).
-fn evict_idle(open: &mut HashMap<String, (Opened, Instant)>) {
+fn evict_idle(open: &mut HashMap<String, Entry>) {
     let mut idle: Vec<(Instant, String)> = open
         .iter()
-        .filter(|(_, (o, _))| Arc::strong_count(&o.source) == 1)
-        .map(|(k, (_, used))| (*used, k.clone()))
+        .filter(|(_, e)| Arc::strong_count(&e.opened.source) == 1)
+        .map(|(k, e)| (e.used, k.clone()))
         .collect();
     if idle.len() <= KEEP_IDLE {
         return;
     }
     idle.sort();
     for (_, key) in &idle[..idle.len() - KEEP_IDLE] {
-        if let Some((o, _)) = open.remove(key) {
-            tracing::info!(dataset = %o.label, "closed idle dataset");
+        if let Some(e) = open.remove(key) {
+            tracing::info!(dataset = %e.opened.label, "closed idle dataset");
+        }
+    }
+}
+
+/// Closes sources no stream has used for `idle`, until the registry is gone.
+fn close_idle(open: Weak<Registry>, idle: Duration) {
+    let tick = (idle / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
+    loop {
+        std::thread::sleep(tick);
+        let Some(open) = open.upgrade() else { return };
+        let mut open = open.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        open.retain(|_, e| {
+            if Arc::strong_count(&e.opened.source) > 1 {
+                e.idle_since = None;
+                return true;
+            }
+            let since = *e.idle_since.get_or_insert(now);
+            let keep = now.duration_since(since) < idle;
+            if !keep {
+                tracing::info!(dataset = %e.opened.label, "closed idle dataset (no stream uses it)");
+            }
+            keep
+        });
+    }
+}
+
+/// The bound on open HDF5 files: the configured one, but no more than half
+/// the descriptors this process may open (each file takes two), less some
+/// for sockets, rings and LMDB.
+fn max_open_files(configured: usize) -> usize {
+    let soft = rustix::process::getrlimit(rustix::process::Resource::Nofile).current.unwrap_or(u64::MAX);
+    let by_fds = usize::try_from(soft.saturating_sub(128) / 2).unwrap_or(usize::MAX).max(16);
+    if by_fds < configured {
+        tracing::info!(
+            max_open_files = by_fds,
+            configured,
+            fd_limit = soft,
+            "fewer HDF5 files may be open at once than configured: the descriptor limit (ulimit -n) is low"
+        );
+    }
+    configured.min(by_fds).max(1)
+}
+
+/// Opens every file of the dataset by handle (run with the requester's rights).
+fn open_files(resolved: &Resolved, roots: Option<&[PathBuf]>) -> Result<Files, SourceError> {
+    match resolved {
+        Resolved::Hdf5(spec) => hdf5::check_files(spec, roots).map(Files::Hdf5),
+        Resolved::Lmdb(spec) => {
+            let mut checked = CheckedLmdb::default();
+            let mut ids = Vec::new();
+            for field in &spec.fields {
+                if checked.envs.iter().any(|(p, _)| *p == field.env) {
+                    continue;
+                }
+                let env = fsaccess::open(&field.env, roots, Want::FileOrDir)?;
+                let data = if env.is_dir { fsaccess::open_in(&env, "data.mdb")? } else { env };
+                ids.push(data.id);
+                checked.envs.push((field.env.clone(), data.id));
+            }
+            if let Some(path) = &spec.key_file {
+                let key_file = fsaccess::open(path, roots, Want::File)?;
+                ids.push(key_file.id);
+                checked.key_file = Some(key_file.file);
+            }
+            Ok(Files::Lmdb(checked, ids))
         }
     }
 }
 
 fn refuse(e: SourceError) -> Refusal {
-    let kind = match e {
-        SourceError::NotAllowed { .. } => ErrorKind::PermissionDenied,
+    let kind = match &e {
+        SourceError::NotAllowed { .. }
+        | SourceError::Access(AccessError::NotAllowed { .. } | AccessError::Rights { .. }) => {
+            ErrorKind::PermissionDenied
+        }
+        SourceError::Access(AccessError::Io { source, .. })
+            if source.kind() == std::io::ErrorKind::PermissionDenied =>
+        {
+            ErrorKind::PermissionDenied
+        }
         SourceError::Limit(_) => ErrorKind::Limit,
         _ => ErrorKind::Dataset,
     };

@@ -8,6 +8,7 @@ pub mod codec;
 pub mod config;
 pub mod dataset;
 pub mod filter;
+pub mod fsaccess;
 pub mod inspect;
 pub mod ring;
 pub mod sampler;

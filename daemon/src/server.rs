@@ -395,6 +395,7 @@ struct Connection {
     uid: u32,
     pid: u32,
     job: Option<String>,
+    peer: crate::fsaccess::Peer,
     writer: OwnedWriteHalf,
     streams: HashMap<u64, Arc<Stream>>,
     greeted: bool,
@@ -451,6 +452,7 @@ async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: u64, mut st
         uid,
         pid,
         job: None,
+        peer: crate::fsaccess::Peer { uid, gid, pid },
         writer,
         streams: HashMap::new(),
         greeted: false,
@@ -729,18 +731,19 @@ impl Connection {
             ));
         }
         let daemon = self.daemon.clone();
-        let dataset = open.dataset.clone();
-        let opened = tokio::task::spawn_blocking(move || daemon.datasets.open(&dataset)).await.map_err(|e| {
-            let why = if e.is_panic() { crate::stream::panic_message(&*e.into_panic()) } else { e.to_string() };
-            tracing::error!(dataset = ?open.dataset, %why, "opening a dataset panicked");
-            (
-                ErrorKind::Internal,
-                format!(
-                    "opening the dataset failed inside the daemon (a bug: {why}); the daemon keeps serving other \
+        let (dataset, peer) = (open.dataset.clone(), self.peer);
+        let opened =
+            tokio::task::spawn_blocking(move || daemon.datasets.open(&dataset, &peer)).await.map_err(|e| {
+                let why = if e.is_panic() { crate::stream::panic_message(&*e.into_panic()) } else { e.to_string() };
+                tracing::error!(dataset = ?open.dataset, %why, "opening a dataset panicked");
+                (
+                    ErrorKind::Internal,
+                    format!(
+                        "opening the dataset failed inside the daemon (a bug: {why}); the daemon keeps serving other \
                      streams — please report this with the daemon's log"
-                ),
-            )
-        })??;
+                    ),
+                )
+            })??;
         let (label, source) = (opened.label, opened.source);
         let sampler = Sampler::new(
             source.len(),

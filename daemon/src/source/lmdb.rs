@@ -234,6 +234,13 @@ impl LmdbSource {
     /// Opens the environments of `spec` (each once per process), selects the
     /// keys, checks every environment holds them, and probes the field layouts.
     pub fn open(spec: &LmdbSpec) -> Result<LmdbSource, SourceError> {
+        LmdbSource::open_checked(spec, &crate::fsaccess::CheckedLmdb::default())
+    }
+
+    /// [`LmdbSource::open`] over files already opened by handle: each
+    /// environment must still be the file `checked` identified, and the key
+    /// file is read from its handle.
+    pub fn open_checked(spec: &LmdbSpec, checked: &crate::fsaccess::CheckedLmdb) -> Result<LmdbSource, SourceError> {
         let first = spec.fields.first().ok_or_else(|| SourceError::LmdbField {
             env: PathBuf::new(),
             field: String::new(),
@@ -267,6 +274,11 @@ impl LmdbSource {
         let mut env_of = Vec::with_capacity(spec.fields.len());
         for field in &spec.fields {
             let env = SharedEnv::open(&field.env)?;
+            let (dev, ino, _) = env.env.file_id().map_err(|e| SourceError::LmdbOpen {
+                env: field.env.clone(),
+                message: format!("cannot check its data file: {e}"),
+            })?;
+            checked.check_env(&field.env, dev, ino)?;
             let at = envs.iter().position(|e| Arc::ptr_eq(e, &env)).unwrap_or_else(|| {
                 envs.push(env);
                 envs.len() - 1
@@ -277,7 +289,7 @@ impl LmdbSource {
         // Sample keys.
         let primary = &envs[env_of[0]];
         let keys = match &spec.key_file {
-            Some(path) => read_key_file(path)?,
+            Some(path) => read_key_file(path, checked.key_file.as_ref())?,
             None => primary.keys(&spec.filter)?,
         };
         if keys.is_empty() {
@@ -981,9 +993,21 @@ fn is_metadata_key(key: &[u8]) -> bool {
 }
 
 /// Reads a key file: one key per line, or BasicSR `meta_info.txt` lines.
-fn read_key_file(path: &Path) -> Result<Keys, SourceError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| SourceError::LmdbKeyFile { path: path.to_owned(), message: e.to_string() })?;
+fn read_key_file(path: &Path, opened: Option<&std::fs::File>) -> Result<Keys, SourceError> {
+    let err = |e: std::io::Error| SourceError::LmdbKeyFile { path: path.to_owned(), message: e.to_string() };
+    // Opened here when not beforehand: a regular file only (a FIFO would block).
+    let own = match opened {
+        Some(_) => None,
+        None => Some(
+            crate::fsaccess::open(path, None, crate::fsaccess::Want::File)
+                .map_err(|e| SourceError::LmdbKeyFile { path: path.to_owned(), message: e.to_string() })?
+                .file,
+        ),
+    };
+    let mut text = String::new();
+    if let Some(mut file) = opened.or(own.as_ref()) {
+        std::io::Read::read_to_string(&mut file, &mut text).map_err(err)?;
+    }
     let mut keys = Keys::default();
     for line in text.lines() {
         let line = line.trim();

@@ -85,7 +85,8 @@ pub trait Source: Send + Sync + std::fmt::Debug {
 pub enum SourceError {
     /// The glob matches nothing.
     #[error(
-        "no files match {pattern:?}; check the path, or that the files exist and are readable by the daemon's user"
+        "no files match {pattern:?}; check the path, or that the files exist and are readable (by you, for \
+         ad-hoc datasets; by the daemon's user, for datasets named in its config)"
     )]
     NoFiles {
         /// The glob.
@@ -109,6 +110,18 @@ pub enum SourceError {
         path: PathBuf,
         /// The roots in force.
         roots: Vec<PathBuf>,
+    },
+    /// A file could not be opened by handle: outside the allowed roots, not
+    /// a regular file, or refused with the client's rights.
+    #[error("{0}")]
+    Access(#[from] crate::fsaccess::AccessError),
+    /// A file changed (replaced, rewritten, appended to) while being served.
+    #[error("{path} {message}")]
+    Changed {
+        /// The file.
+        path: PathBuf,
+        /// How it changed, and what to do.
+        message: String,
     },
     /// The file cannot be opened as HDF5.
     #[error("cannot open {path} as HDF5: {message}")]

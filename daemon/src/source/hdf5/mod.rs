@@ -7,15 +7,20 @@
 //! fields and `field[item]` for per-item fields: The Well's
 //! `[trajectory, time, x, y, …]` layout.
 //!
-//! Files are opened once and stay open; metadata comes from libhdf5 at open;
+//! Files arrive opened by handle ([`crate::fsaccess`]); libhdf5 opens the
+//! same inode through `/proc/self/fd/N`. Metadata comes from libhdf5 at open;
 //! data is read by `field::FieldReader` (pread and Rust decoders where it
-//! can, libhdf5 where it must).
+//! can, libhdf5 where it must). At most [`OpenFiles`]' bound of files stay
+//! open across all datasets: the least recently read are closed and opened
+//! again on their next read, after checking they are still the same file.
+//! A file that changes while served fails its reads with an error naming it.
 
 pub(crate) mod field;
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 
 use hdf5::types::{FloatSize, IntSize, TypeDescriptor};
 use stoker_proto::DType;
@@ -23,6 +28,7 @@ use stoker_proto::DType;
 use self::field::FieldReader;
 use super::{FieldOut, FieldSpec, SampleRef, Source, SourceError};
 use crate::cache::ChunkCache;
+use crate::fsaccess::{self, FileId, Want};
 
 /// A window along axis 1: samples are `size` consecutive steps, `stride` apart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -49,15 +55,129 @@ pub struct Hdf5Spec {
     pub fast_path: bool,
 }
 
+/// One file of a dataset: what it is, and its handles while open.
 #[derive(Debug)]
 struct Hdf5File {
+    /// The path as matched (for messages).
     path: PathBuf,
-    /// Keeps the HDF5 file open for the datasets' lifetime.
+    /// Where it was opened (no symlinks), and beneath which allowed root.
+    canonical: PathBuf,
+    root: Option<PathBuf>,
+    /// Its identity when the dataset was opened.
+    id: FileId,
+    /// Chunk-cache ids of its fields, kept across reopens.
+    cache_ids: Vec<u64>,
+    /// Samples per item (1 without a window).
+    windows: u64,
+    /// `None` while closed to bound open files.
+    handle: RwLock<Option<Arc<OpenHdf5>>>,
+    /// When it was last read (to within [`USE_GRAIN_US`]), in µs since [`EPOCH`].
+    used: AtomicU64,
+    /// When its size and mtime were last checked, in µs since [`EPOCH`].
+    checked_us: AtomicU64,
+}
+
+/// Reads of one file check it for changes at most this often (an `fstat`
+/// per sample would cost as much as reading a small sample).
+const CHANGE_CHECK_US: u64 = 1_000;
+
+/// Reads record that a file was used at most this often (no shared write per sample).
+const USE_GRAIN_US: u64 = 1_000;
+
+/// The origin of `checked_us` and `used`.
+static EPOCH: std::sync::LazyLock<std::time::Instant> = std::sync::LazyLock::new(std::time::Instant::now);
+
+fn now_us() -> u64 {
+    u64::try_from(EPOCH.elapsed().as_micros()).unwrap_or(u64::MAX).max(1)
+}
+
+/// The handles of an open file.
+#[derive(Debug)]
+struct OpenHdf5 {
+    /// Keeps the HDF5 file open while the readers use it.
     _h5: hdf5::File,
     raw: File,
     fields: Vec<FieldReader>,
-    /// Samples per item (1 without a window).
-    windows: u64,
+}
+
+impl Hdf5File {
+    fn close(&self) {
+        self.handle.write().unwrap_or_else(PoisonError::into_inner).take();
+    }
+
+    fn touch(&self) {
+        let now = now_us();
+        if now.saturating_sub(self.used.load(Ordering::Relaxed)) >= USE_GRAIN_US {
+            self.used.store(now, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Bounds the HDF5 files open at once across every dataset of the daemon
+/// (each holds two descriptors and libhdf5's caches): opening one more
+/// closes the least recently read.
+#[derive(Debug)]
+pub struct OpenFiles {
+    max: usize,
+    open: Mutex<Vec<Weak<Hdf5File>>>,
+}
+
+impl OpenFiles {
+    /// At most `max` files open (at least 1).
+    pub fn new(max: usize) -> Arc<OpenFiles> {
+        Arc::new(OpenFiles { max: max.max(1), open: Mutex::new(Vec::new()) })
+    }
+
+    /// Files open now.
+    pub fn count(&self) -> usize {
+        let open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        open.iter().filter(|w| w.strong_count() > 0).count()
+    }
+
+    /// Closes the open handles of files that have `id`'s device and inode but
+    /// not its size or mtime: they were changed since they were opened.
+    fn close_changed(&self, id: &FileId) {
+        let stale: Vec<Arc<Hdf5File>> = {
+            let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+            let is_stale = |f: &Hdf5File| (f.id.dev, f.id.ino) == (id.dev, id.ino) && f.id != *id;
+            let stale = open.iter().filter_map(Weak::upgrade).filter(|f| is_stale(f)).collect();
+            open.retain(|w| w.upgrade().is_some_and(|f| !is_stale(&f)));
+            stale
+        };
+        for file in stale {
+            file.close();
+        }
+    }
+
+    /// Records that `file` was opened and closes the least recently read
+    /// beyond the bound. No file's handle lock is held while this runs.
+    fn opened(&self, file: &Arc<Hdf5File>) {
+        file.used.store(now_us(), Ordering::Relaxed);
+        let me = Arc::downgrade(file);
+        let victims = {
+            let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+            open.retain(|w| w.strong_count() > 0);
+            if !open.iter().any(|w| w.ptr_eq(&me)) {
+                open.push(me.clone());
+            }
+            let mut victims = Vec::new();
+            while open.len() > self.max {
+                let oldest = open
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, w)| !w.ptr_eq(&me))
+                    .filter_map(|(i, w)| w.upgrade().map(|f| (f.used.load(Ordering::Relaxed), i)))
+                    .min();
+                let Some((_, i)) = oldest else { break };
+                victims.extend(open.swap_remove(i).upgrade());
+            }
+            victims
+        };
+        for victim in victims {
+            // Readers holding the handle keep it until they finish.
+            victim.close();
+        }
+    }
 }
 
 /// An open HDF5 dataset.
@@ -67,20 +187,30 @@ pub struct Hdf5Source {
     fields: Vec<FieldSpec>,
     /// Per field: windowed (true) or whole per item.
     windowed: Vec<bool>,
-    files: Vec<Hdf5File>,
+    files: Vec<Arc<Hdf5File>>,
     /// `starts[k]` is the global index of file k's first sample; one extra entry holds the total.
     starts: Vec<u64>,
     cache: Arc<ChunkCache>,
+    limit: Arc<OpenFiles>,
+}
+
+/// Lists the files of `spec`'s glob (sorted) and checks each by opening it by
+/// handle ([`fsaccess::open`]), beneath `allowed_roots` when given, then
+/// closes it again (a dataset may have more files than descriptors). Runs
+/// with the rights of whoever asked for the dataset ([`fsaccess::with_rights`]).
+pub fn check_files(spec: &Hdf5Spec, allowed_roots: Option<&[PathBuf]>) -> Result<Vec<fsaccess::Checked>, SourceError> {
+    let paths = expand(&spec.files, allowed_roots.is_some())?;
+    paths.iter().map(|p| Ok(fsaccess::open(p, allowed_roots, Want::File)?.close())).collect()
 }
 
 impl Hdf5Source {
-    /// Opens every file matching the spec's glob (sorted).
-    ///
-    /// `allowed_roots`, when given, must contain every matched file.
+    /// Opens the dataset over `opened`, the files of the spec's glob from
+    /// [`check_files`], in order; each must still be the file checked.
     pub fn open(
         spec: &Hdf5Spec,
-        allowed_roots: Option<&[PathBuf]>,
+        opened: Vec<fsaccess::Checked>,
         cache: Arc<ChunkCache>,
+        limit: Arc<OpenFiles>,
     ) -> Result<Hdf5Source, SourceError> {
         let pattern = &spec.files;
         let invalid = |message: String| SourceError::Spec { pattern: pattern.clone(), message };
@@ -102,62 +232,119 @@ impl Hdf5Source {
         if spec.window.is_some() && !windowed.contains(&true) {
             return Err(invalid("a window needs at least one field that is not per_item (the windowed fields)".into()));
         }
-        let paths = expand(pattern)?;
-        if let Some(roots) = allowed_roots {
-            for path in &paths {
-                let real = path.canonicalize().unwrap_or_else(|_| path.clone());
-                if !roots.iter().any(|root| real.starts_with(root)) {
-                    return Err(SourceError::NotAllowed { path: path.clone(), roots: roots.to_vec() });
-                }
-            }
+        if opened.is_empty() {
+            return Err(SourceError::NoFiles { pattern: pattern.to_string() });
         }
         let mut specs: Option<Vec<FieldSpec>> = None;
-        let mut files: Vec<Hdf5File> = Vec::with_capacity(paths.len());
+        let mut files: Vec<Arc<Hdf5File>> = Vec::with_capacity(opened.len());
         let mut starts = vec![0u64];
-        for path in paths {
-            let (file, file_specs, samples) = open_file(&path, spec, &windowed, &cache)?;
+        let mut slow: Vec<String> = Vec::new();
+        let mut big_chunks: Vec<(String, usize)> = Vec::new();
+        for checked in opened {
+            let cache_ids: Vec<u64> = spec.fields.iter().map(|_| cache.new_id()).collect();
+            let raw = fsaccess::reopen_same(&checked.canonical, checked.root.as_deref(), &checked.id)
+                .map_err(|message| SourceError::Changed { path: checked.path.clone(), message })?;
+            // libhdf5 shares one open of a file (by device and inode) among its
+            // handles: an older open of this file from before it changed would
+            // hand us its stale metadata.
+            limit.close_changed(&checked.id);
+            let (handle, file_specs, items, windows) = open_file(&checked.path, raw, spec, &windowed, &cache_ids)?;
             match &specs {
-                None => specs = Some(file_specs),
-                Some(first) => check_same_fields(&path, first, &file_specs, &files[0].path)?,
+                None => {
+                    for (field, reader) in file_specs.iter().zip(&handle.fields) {
+                        match &reader.layout {
+                            field::Layout::Library { reason } => slow.push(format!("{} ({reason})", field.name)),
+                            field::Layout::Chunked(c) if !c.filters.is_empty() => {
+                                big_chunks.push((field.name.clone(), c.chunk_bytes))
+                            }
+                            _ => {}
+                        }
+                    }
+                    specs = Some(file_specs)
+                }
+                Some(first) => check_same_fields(&checked.path, first, &file_specs, &files[0].path)?,
             }
-            let total = starts.last().expect("starts is never empty").checked_add(samples).ok_or_else(|| {
-                SourceError::Limit(format!("{pattern:?}: the files together hold more than 2^64 samples"))
-            })?;
+            let total = items
+                .checked_mul(windows)
+                .and_then(|samples| starts.last().expect("starts is never empty").checked_add(samples))
+                .ok_or_else(|| {
+                    SourceError::Limit(format!(
+                        "{pattern:?}: {} holds {items} items × {windows} windows, and the files together more than \
+                         2^64 samples; check the files' shapes",
+                        checked.path.display()
+                    ))
+                })?;
             starts.push(total);
+            let file = Arc::new(Hdf5File {
+                path: checked.path,
+                canonical: checked.canonical,
+                root: checked.root,
+                id: checked.id,
+                cache_ids,
+                windows: windows.max(1),
+                handle: RwLock::new(Some(Arc::new(handle))),
+                used: AtomicU64::new(0),
+                checked_us: AtomicU64::new(0),
+            });
+            limit.opened(&file);
             files.push(file);
         }
-        let fields = specs.expect("expand returns at least one file");
+        if files.len() > limit.max {
+            tracing::warn!(
+                dataset = %pattern,
+                files = files.len(),
+                max_open_files = limit.max,
+                "the dataset has more files than may be open at once: files are closed and reopened as \
+                 they are read; raise [limits] max_open_files if reads are slow"
+            );
+        }
+        let fields = specs.expect("opened holds at least one file");
         if *starts.last().expect("starts is never empty") == 0 {
             return Err(SourceError::Empty { pattern: pattern.to_string() });
         }
-        let slow: Vec<String> = fields
-            .iter()
-            .zip(&files[0].fields)
-            .filter_map(|(field, reader)| match &reader.layout {
-                field::Layout::Library { reason } => Some(format!("{} ({reason})", field.name)),
-                _ => None,
-            })
-            .collect();
         if !slow.is_empty() {
             tracing::info!(dataset = %pattern, fields = %slow.join(", "), "reading through libhdf5, under its global lock");
         }
         let capacity = cache.stats().capacity;
-        for (field, reader) in fields.iter().zip(&files[0].fields) {
-            if let field::Layout::Chunked(c) = &reader.layout
-                && !c.filters.is_empty()
-                && c.chunk_bytes as u64 > capacity
-            {
+        for (field, chunk_bytes) in big_chunks {
+            if chunk_bytes as u64 > capacity {
                 tracing::warn!(
                     dataset = %pattern,
-                    field = %field.name,
-                    chunk_bytes = c.chunk_bytes,
+                    field = %field,
+                    chunk_bytes,
                     cache_bytes = capacity,
                     "decoded chunks do not fit in the chunk cache: every sample will decompress its whole chunk; \
                      raise [cache] chunk_bytes or rechunk the file"
                 );
             }
         }
-        Ok(Hdf5Source { spec: spec.clone(), fields, windowed, files, starts, cache })
+        Ok(Hdf5Source { spec: spec.clone(), fields, windowed, files, starts, cache, limit })
+    }
+
+    /// The file's handles, opening it again if it was closed to bound open
+    /// files; fails when the file is no longer what the dataset opened.
+    fn handle(&self, file: &Arc<Hdf5File>) -> Result<Arc<OpenHdf5>, SourceError> {
+        let changed = |message: String| SourceError::Changed { path: file.path.clone(), message };
+        if let Some(handle) = file.handle.read().unwrap_or_else(PoisonError::into_inner).as_ref() {
+            file.touch();
+            return Ok(handle.clone());
+        }
+        let mut slot = file.handle.write().unwrap_or_else(PoisonError::into_inner);
+        if let Some(handle) = slot.as_ref() {
+            return Ok(handle.clone());
+        }
+        let raw = fsaccess::reopen_same(&file.canonical, file.root.as_deref(), &file.id).map_err(changed)?;
+        let (handle, ..) = open_file(&file.path, raw, &self.spec, &self.windowed, &file.cache_ids)?;
+        let handle = Arc::new(handle);
+        *slot = Some(handle.clone());
+        drop(slot);
+        self.limit.opened(file);
+        Ok(handle)
+    }
+
+    /// The identities of the dataset's files when it was opened.
+    pub fn file_ids(&self) -> Vec<FileId> {
+        self.files.iter().map(|f| f.id).collect()
     }
 
     /// The spec the dataset was opened with.
@@ -179,10 +366,12 @@ impl Source for Hdf5Source {
         let index = sample.index;
         let file_idx = self.starts.partition_point(|&s| s <= index) - 1;
         let file = &self.files[file_idx];
+        let handle = self.handle(file)?;
+        check_unchanged(file, &handle)?;
         let local = index - self.starts[file_idx];
         let (item, step) = (local / file.windows, local % file.windows);
         for (f, dst) in out.iter_mut().enumerate() {
-            let reader = &file.fields[f];
+            let reader = &handle.fields[f];
             let spec = &self.fields[f];
             let mut start = vec![0u64; reader.dims.len()];
             let mut count = reader.dims.clone();
@@ -193,7 +382,7 @@ impl Source for Hdf5Source {
                 start[1] = step * w.stride;
                 count[1] = w.size;
             }
-            reader.read_block(&file.raw, &self.cache, &start, &count, dst.data).map_err(|message| {
+            reader.read_block(&handle.raw, &self.cache, &start, &count, dst.data).map_err(|message| {
                 SourceError::Read {
                     path: file.path.clone(),
                     field: spec.name.clone(),
@@ -208,41 +397,75 @@ impl Source for Hdf5Source {
     }
 }
 
-fn expand(pattern: &str) -> Result<Vec<PathBuf>, SourceError> {
+/// The files matching `pattern`, sorted. Glob sees only what the caller may
+/// list: when nothing matches because a directory is closed to the caller, or
+/// the pattern names one file, that file's open reports why.
+/// A file rewritten or appended to under a stream would deliver rows that
+/// are neither the old nor the new contents: fail instead, naming it.
+fn check_unchanged(file: &Hdf5File, handle: &OpenHdf5) -> Result<(), SourceError> {
+    let now_us = now_us();
+    let last = file.checked_us.load(Ordering::Relaxed);
+    if last != 0 && now_us.saturating_sub(last) < CHANGE_CHECK_US {
+        return Ok(());
+    }
+    let changed = |message: String| SourceError::Changed { path: file.path.clone(), message };
+    let now = FileId::of(&handle.raw).map_err(|e| changed(format!("cannot be checked for changes: {e}")))?;
+    if let Some(change) = file.id.change(&now) {
+        return Err(changed(format!("{change} while being served; open a new Loader to read the new contents")));
+    }
+    file.checked_us.store(now_us, Ordering::Relaxed);
+    Ok(())
+}
+
+fn expand(pattern: &str, client: bool) -> Result<Vec<PathBuf>, SourceError> {
     let bad = |message: String| SourceError::BadGlob { pattern: pattern.to_string(), message };
     let mut paths = Vec::new();
     for entry in glob::glob(pattern).map_err(|e| bad(e.to_string()))? {
         paths.push(entry.map_err(|e| bad(e.to_string()))?);
     }
-    paths.retain(|p| p.is_file());
+    // Directories are not data; anything else that matches is opened and
+    // refused with a clear error if it is not a regular file (a FIFO).
+    paths.retain(|p| !p.is_dir());
     paths.sort();
     if paths.is_empty() {
+        let is_glob = |c: &std::path::Component<'_>| c.as_os_str().to_string_lossy().contains(['*', '?', '[']);
+        let literal: PathBuf = Path::new(pattern).components().take_while(|c| !is_glob(c)).collect();
+        if literal.as_os_str().len() == pattern.len() {
+            return Ok(vec![literal]);
+        }
+        if let Err(e) = std::fs::read_dir(&literal)
+            && e.kind() == std::io::ErrorKind::PermissionDenied
+        {
+            return Err(fsaccess::AccessError::io(&literal, e, client).into());
+        }
         return Err(SourceError::NoFiles { pattern: pattern.to_string() });
     }
     Ok(paths)
 }
 
+/// Opens `raw` (the checked file at `path`) with libhdf5 and builds its
+/// readers: the handles, the field specs, the items and windows per item.
 fn open_file(
     path: &Path,
+    raw: File,
     spec: &Hdf5Spec,
     windowed: &[bool],
-    cache: &ChunkCache,
-) -> Result<(Hdf5File, Vec<FieldSpec>, u64), SourceError> {
+    cache_ids: &[u64],
+) -> Result<(OpenHdf5, Vec<FieldSpec>, u64, u64), SourceError> {
     let open_err = |message: String| SourceError::Open { path: path.to_owned(), message };
     // libhdf5's default chunk cache is 1 MiB per dataset: reads of rows from a
     // few different chunks in turn (parallel fills) would decompress whole
     // chunks again for every row on the libhdf5 path. 16 MiB per dataset.
     let h5 = hdf5::File::with_options()
         .with_fapl(|fapl| fapl.chunk_cache(4093, 16 << 20, 0.75))
-        .open(path)
+        .open(fsaccess::fd_path(&raw))
         .map_err(|e| open_err(e.to_string()))?;
-    let raw = File::open(path).map_err(|e| open_err(e.to_string()))?;
     let mut specs = Vec::with_capacity(spec.fields.len());
     let mut readers = Vec::with_capacity(spec.fields.len());
     // (length, field name) of the first field along axis 0, and along axis 1 for windowed fields.
     let mut items: Option<(u64, &str)> = None;
     let mut steps: Option<(u64, &str)> = None;
-    for ((name, h5path), &is_windowed) in spec.fields.iter().zip(windowed) {
+    for (((name, h5path), &is_windowed), &cache_id) in spec.fields.iter().zip(windowed).zip(cache_ids) {
         let field_err = |message: String| SourceError::Inconsistent {
             path: path.to_owned(),
             field: name.clone(),
@@ -313,8 +536,8 @@ fn open_file(
             )));
         }
         let mem_type = hdf5::Datatype::from_descriptor(&descriptor).map_err(|e| field_err(e.to_string()))?;
-        let reader = FieldReader::new(dataset, dtype, &file_type, mem_type, cache.new_id(), spec.fast_path)
-            .map_err(field_err)?;
+        let reader =
+            FieldReader::new(dataset, dtype, &file_type, mem_type, cache_id, spec.fast_path).map_err(field_err)?;
         specs.push(FieldSpec {
             name: name.clone(),
             origin: h5path.clone(),
@@ -330,14 +553,7 @@ fn open_file(
         (Some(_), _) => 0,
         (None, _) => 1,
     };
-    let samples = items.checked_mul(windows).ok_or_else(|| {
-        SourceError::Limit(format!(
-            "{}: {items} items × {windows} windows per item is more than 2^64 samples; check the file's shapes",
-            path.display()
-        ))
-    })?;
-    let file = Hdf5File { path: path.to_owned(), _h5: h5, raw, fields: readers, windows: windows.max(1) };
-    Ok((file, specs, samples))
+    Ok((OpenHdf5 { _h5: h5, raw, fields: readers }, specs, items, windows))
 }
 
 /// Maps an HDF5 file type to the dtype served, or describes what it is.

@@ -276,7 +276,7 @@ impl MappedEnv {
     }
 
     /// Device, inode and length of the data file LMDB opened.
-    fn file_id(&self) -> std::io::Result<(u64, u64, u64)> {
+    pub fn file_id(&self) -> std::io::Result<(u64, u64, u64)> {
         let mut fd: ffi::mdb_filehandle_t = -1;
         // SAFETY: an open environment and a valid out-pointer.
         let rc = unsafe { ffi::mdb_env_get_fd(self.env.as_ptr(), &mut fd) };

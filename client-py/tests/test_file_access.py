@@ -1,0 +1,397 @@
+"""How the daemon opens the files a client names: regular files only, by handle
+beneath the allowed roots (a symlink swapped in cannot lead outside), with the
+client's rights when the daemon runs as root, re-opened when they change,
+closed when no stream uses them, and never more at once than the descriptor
+limit allows."""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import SUBPROCESS_TIMEOUT_S, Daemon, check_field, make_config, stoker_bin
+from lmdb_data import key, write_env
+
+TEST_USER = "stoker-fa-test"
+TEST_GROUP = "stoker-fa-grp"
+
+
+def write_rows(path: Path, values: np.ndarray) -> None:
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=values, maxshape=(None, *values.shape[1:]))
+
+
+def read_all(stoker: Any, spec: Any, socket: str, batch_size: int = 64, **kw: Any) -> np.ndarray:
+    loader = stoker.Loader(spec, batch_size=batch_size, shuffle=False, socket=socket, timeout=60, **kw)
+    try:
+        return np.concatenate([np.array(b["x"]) for b in loader])
+    finally:
+        loader.close()
+
+
+def fd_targets(pid: int) -> list[str]:
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass
+    return out
+
+
+# --------------------------------------------------------------------------
+# Regular files only: a FIFO must not block an open
+# --------------------------------------------------------------------------
+
+
+def test_fifo_key_file_is_refused_quickly(stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path) -> None:
+    env = write_env(tmp_path / "env.lmdb", {key(i): bytes([i]) * 4 for i in range(8)})
+    fifo = tmp_path / "keys.fifo"
+    os.mkfifo(fifo)
+    daemon = start_daemon(allowed_roots=[tmp_path], threads=2)
+    spec = stoker.lmdb(env, fields={"x": {"codec": "raw", "dtype": "uint8", "shape": [4]}}, key_file=fifo)
+    # Before the fix each open blocked a thread of the blocking pool forever;
+    # enough of them exhausted it. Now each is refused at once.
+    for _ in range(40):
+        with pytest.raises(stoker.DatasetError) as err:
+            loader = stoker.Loader(spec, batch_size=4, socket=daemon.socket, timeout=30)
+            next(iter(loader))
+        message = str(err.value)
+        assert "FIFO" in message and str(fifo) in message, message
+    # The daemon still serves.
+    plain = stoker.lmdb(env, fields={"x": {"codec": "raw", "dtype": "uint8", "shape": [4]}})
+    loader = stoker.Loader(plain, batch_size=8, shuffle=False, socket=daemon.socket, timeout=30)
+    (batch,) = list(loader)
+    assert np.array_equal(np.array(batch["x"])[:, 0], np.arange(8))
+    loader.close()
+
+
+def test_hdf5_glob_matching_a_fifo_is_refused(stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path) -> None:
+    write_rows(tmp_path / "a.h5", np.arange(6, dtype="<i4").reshape(3, 2))
+    os.mkfifo(tmp_path / "b.h5")
+    daemon = start_daemon(allowed_roots=[tmp_path])
+    with pytest.raises(stoker.DatasetError) as err:
+        loader = stoker.Loader(
+            stoker.hdf5(str(tmp_path / "*.h5"), fields={"x": "x"}), batch_size=3, socket=daemon.socket, timeout=30
+        )
+        next(iter(loader))
+    message = str(err.value)
+    assert "FIFO" in message and str(tmp_path / "b.h5") in message, message
+
+
+# --------------------------------------------------------------------------
+# allowed_roots: resolved once, read by handle
+# --------------------------------------------------------------------------
+
+
+def test_symlink_swap_never_reads_outside_the_root(stoker: Any, start_daemon: Callable[..., Any]) -> None:
+    base = Path(tempfile.mkdtemp(prefix="stk-fa-", dir="/tmp"))
+    try:
+        root, outside = base / "root", base / "outside"
+        (root / "real").mkdir(parents=True)
+        outside.mkdir()
+        write_rows(root / "real" / "d.h5", np.zeros((4, 2), dtype="<i4"))
+        write_rows(outside / "d.h5", np.full((4, 2), 999, dtype="<i4"))
+        daemon = start_daemon(allowed_roots=[root])
+        link = root / "sub"
+        stop = threading.Event()
+
+        def swap() -> None:
+            # `sub` flips between a symlink inside the root and one leading out of it.
+            while not stop.is_set():
+                for target in (root / "real", outside):
+                    tmp = root / "sub.tmp"
+                    try:
+                        tmp.unlink()
+                    except FileNotFoundError:
+                        pass
+                    tmp.symlink_to(target)
+                    os.replace(tmp, link)
+
+        link.symlink_to(root / "real")
+        swapper = threading.Thread(target=swap, daemon=True)
+        swapper.start()
+        served, refused = 0, 0
+        try:
+            for _ in range(150):
+                try:
+                    x = read_all(stoker, stoker.hdf5(str(link / "d.h5"), fields={"x": "x"}), daemon.socket)
+                except (stoker.AccessDenied, stoker.DatasetError):
+                    refused += 1
+                    continue
+                assert not (x == 999).any(), "served a file from outside allowed_roots"
+                served += 1
+        finally:
+            stop.set()
+            swapper.join()
+        assert served + refused == 150
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------
+# The client's rights (daemon running as root)
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def other_user() -> Iterator[tuple[int, int, int]]:
+    """(uid, gid, supplementary gid) of a throwaway user; root only."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: creates a user and runs the daemon as root")
+    if shutil.which("useradd") is None or shutil.which("groupadd") is None:
+        pytest.skip("needs useradd and groupadd")
+    created_user = created_group = False
+    try:
+        grp.getgrnam(TEST_GROUP)
+    except KeyError:
+        subprocess.run(["groupadd", TEST_GROUP], check=True)
+        created_group = True
+    try:
+        pwd.getpwnam(TEST_USER)
+    except KeyError:
+        subprocess.run(["useradd", "--no-create-home", "-G", TEST_GROUP, TEST_USER], check=True)
+        created_user = True
+    pw = pwd.getpwnam(TEST_USER)
+    yield pw.pw_uid, pw.pw_gid, grp.getgrnam(TEST_GROUP).gr_gid
+    if created_user:
+        subprocess.run(["userdel", TEST_USER], check=False)
+    if created_group:
+        subprocess.run(["groupdel", TEST_GROUP], check=False)
+
+
+CLIENT = r"""
+import json, os, sys
+import numpy as np
+import stoker
+args = json.loads(sys.argv[1])
+# Everything is imported (the interpreter may live where the user cannot
+# read); now become the user, with exactly the groups given.
+os.setgroups(args["groups"])
+os.setgid(args["gid"])
+os.setuid(args["uid"])
+try:
+    if args["kind"] == "lmdb":
+        spec = stoker.lmdb(args["files"], fields={"x": {"codec": "raw", "dtype": "int32", "shape": [2]}})
+    else:
+        spec = stoker.hdf5(args["files"], fields={"x": "x"})
+    loader = stoker.Loader(spec, batch_size=4, shuffle=False, socket=args["socket"], timeout=60)
+    x = np.concatenate([np.array(b["x"]) for b in loader])
+    print(json.dumps({"ok": x.tolist()}))
+except stoker.StokerError as e:
+    print(json.dumps({"error": type(e).__name__, "message": str(e)}))
+"""
+
+
+def run_as(uid: int, gid: int, groups: list[int], socket: str, files: str, kind: str = "hdf5") -> dict[str, Any]:
+    args = {"socket": socket, "files": files, "uid": uid, "gid": gid, "groups": groups, "kind": kind}
+    res = subprocess.run(
+        [sys.executable, "-c", CLIENT, json.dumps(args)], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S
+    )
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_client_reads_only_what_it_may(stoker: Any, other_user: tuple[int, int, int]) -> None:
+    uid, gid, extra_gid = other_user
+    base = Path(tempfile.mkdtemp(prefix="stk-fa-", dir="/tmp"))
+    workdir = Path(tempfile.mkdtemp(prefix="stk-", dir="/tmp"))
+    d = None
+    try:
+        os.chmod(base, 0o755)
+        os.chmod(workdir, 0o755)
+        public = base / "public"
+        public.mkdir(mode=0o755)
+        secret = base / "secret"
+        secret.mkdir(mode=0o700)
+        shared = base / "shared"
+        shared.mkdir(mode=0o750)
+        os.chown(shared, 0, extra_gid)
+        write_rows(public / "p.h5", np.arange(8, dtype="<i4").reshape(4, 2))
+        write_rows(secret / "s.h5", np.full((4, 2), 999, dtype="<i4"))
+        write_rows(shared / "g.h5", np.full((4, 2), 7, dtype="<i4"))
+        os.chmod(secret / "s.h5", 0o600)
+        os.chown(shared / "g.h5", 0, extra_gid)
+        os.chmod(shared / "g.h5", 0o640)
+        config = make_config(str(workdir / "stoker.sock"), allowed_roots=[base])
+        config = config.replace("[server]\n", f"[server]\nallowed_uids = [{uid}]\n", 1)
+        d = Daemon(workdir, config + "\n[limits]\nidle_close_s = 0\n")
+        os.chmod(d.socket, 0o777)
+        # Root opens the shared file first: a cached dataset is no way around the check.
+        x = read_all(stoker, stoker.hdf5(str(shared / "g.h5"), fields={"x": "x"}), d.socket)
+        assert (x == 7).all()
+        # As root, the daemon could read all three; the user can read two.
+        got = run_as(uid, gid, [extra_gid], d.socket, str(public / "p.h5"))
+        assert got.get("ok") == np.arange(8).reshape(4, 2).tolist(), got
+        got = run_as(uid, gid, [extra_gid], d.socket, str(shared / "g.h5"))
+        assert got.get("ok") == np.full((4, 2), 7).tolist(), got
+        got = run_as(uid, gid, [extra_gid], d.socket, str(secret / "s.h5"))
+        assert got.get("error") == "AccessDenied", got
+        assert str(secret / "s.h5") in got["message"] and "client's rights" in got["message"], got
+        # Without the group, the shared file is closed to it.
+        got = run_as(uid, gid, [], d.socket, str(shared / "g.h5"))
+        assert got.get("error") == "AccessDenied", got
+        # The same for LMDB environments.
+        rows = {key(i): np.array([i, -i], dtype="<i4").tobytes() for i in range(4)}
+        write_env(public / "env.lmdb", rows)
+        write_env(secret / "env.lmdb", rows)
+        got = run_as(uid, gid, [extra_gid], d.socket, str(public / "env.lmdb"), kind="lmdb")
+        assert got.get("ok") == [[i, -i] for i in range(4)], got
+        got = run_as(uid, gid, [extra_gid], d.socket, str(secret / "env.lmdb"), kind="lmdb")
+        assert got.get("error") == "AccessDenied", got
+        assert str(secret / "env.lmdb") in got["message"], got
+        # Root itself still reads the secret file.
+        x = read_all(stoker, stoker.hdf5(str(secret / "s.h5"), fields={"x": "x"}), d.socket)
+        assert (x == 999).all()
+    finally:
+        if d is not None:
+            d.stop()
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------
+# Identity: changed files are re-opened, never served stale or mixed
+# --------------------------------------------------------------------------
+
+
+def test_deleted_and_replaced_files_are_not_served_stale(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    path = tmp_path / "d.h5"
+    write_rows(path, np.zeros((4, 2), dtype="<i4"))
+    daemon = start_daemon(allowed_roots=[tmp_path], extra="\n[limits]\nidle_close_s = 60\n")
+    spec = stoker.hdf5(str(path), fields={"x": "x"})
+    assert (read_all(stoker, spec, daemon.socket) == 0).all()
+    # Replaced by rename: a new Loader reads the new contents.
+    tmp = tmp_path / "d.h5.tmp"
+    write_rows(tmp, np.full((6, 2), 5, dtype="<i4"))
+    os.replace(tmp, path)
+    x = read_all(stoker, spec, daemon.socket)
+    assert x.shape == (6, 2) and (x == 5).all(), x
+    # Deleted: a new Loader fails naming the file, rather than serving the old rows.
+    path.unlink()
+    with pytest.raises(stoker.DatasetError) as err:
+        read_all(stoker, spec, daemon.socket)
+    assert str(path) in str(err.value) or "no files match" in str(err.value), str(err.value)
+
+
+def test_rows_appended_while_served(stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path) -> None:
+    path = tmp_path / "grow.h5"
+    write_rows(path, np.arange(64, dtype="<i4").reshape(32, 2))
+    daemon = start_daemon(allowed_roots=[tmp_path], depth=2, extra="\n[limits]\nidle_close_s = 60\n")
+    spec = stoker.hdf5(str(path), fields={"x": "x"})
+    loader = stoker.Loader(spec, batch_size=2, shuffle=False, socket=daemon.socket, timeout=60)
+    it = iter(loader)
+    first = np.array(next(it)["x"])
+    assert np.array_equal(first, [[0, 1], [2, 3]])
+    # A writer appends rows (HDF5 file locking off, as users do to write while serving).
+    with h5py.File(path, "a", locking=False) as f:
+        f["x"].resize((48, 2))
+        f["x"][32:] = np.arange(64, 96, dtype="<i4").reshape(16, 2)
+    # The open stream fails naming the file, or serves only rows it read before the change.
+    with pytest.raises(stoker.DatasetError) as err:
+        for batch in it:
+            x = np.array(batch["x"])
+            rows = x[:, 0] // 2
+            assert np.array_equal(x, np.stack([2 * rows, 2 * rows + 1], axis=1)), x
+    message = str(err.value)
+    assert str(path) in message and "while being served" in message, message
+    loader.close()
+    # A Loader opened after the writer finished reads every row, correctly.
+    x = read_all(stoker, spec, daemon.socket)
+    assert np.array_equal(x, np.arange(96, dtype="<i4").reshape(48, 2))
+
+
+def test_files_close_when_the_last_loader_closes(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    path = tmp_path / "own.h5"
+    write_rows(path, np.arange(8, dtype="<i4").reshape(4, 2))
+    daemon = start_daemon(allowed_roots=[tmp_path], extra="\n[limits]\nidle_close_s = 0\n")
+    spec = stoker.hdf5(str(path), fields={"x": "x"})
+    loader = stoker.Loader(spec, batch_size=4, shuffle=False, socket=daemon.socket, timeout=60)
+    assert len(list(loader)) == 1
+    assert str(path) in fd_targets(daemon.proc.pid)
+    loader.close()
+    del loader
+    # Closed (and its HDF5 lock released) soon after: the owner can write it again.
+    deadline = time.monotonic() + 20
+    while str(path) in fd_targets(daemon.proc.pid):
+        assert time.monotonic() < deadline, "the file is still open after its last Loader closed"
+        time.sleep(0.05)
+    with h5py.File(path, "a") as f:  # file locking on
+        f["x"][0] = [100, 101]
+    x = read_all(stoker, spec, daemon.socket)
+    assert np.array_equal(x[0], [100, 101])
+
+
+# --------------------------------------------------------------------------
+# Descriptor limits: many files, bounded descriptors
+# --------------------------------------------------------------------------
+
+
+def limited_stoker(tmp: Path, nofile: int) -> Path:
+    """A wrapper that starts the real binary with RLIMIT_NOFILE soft = hard = `nofile`."""
+    wrapper = tmp / "stoker-limited"
+    wrapper.write_text(f'#!/bin/sh\nulimit -n {nofile} || exit 99\nexec "{stoker_bin()}" "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    return wrapper
+
+
+@pytest.mark.parametrize("max_open_files", [None, 64])
+def test_many_files_under_a_low_descriptor_limit(
+    stoker: Any,
+    start_daemon: Callable[..., Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    max_open_files: int | None,
+) -> None:
+    root = tmp_path / "many"
+    root.mkdir()
+    rng = np.random.default_rng(5)
+    ref = []
+    for i in range(1100):
+        rows = rng.integers(-(2**31), 2**31 - 1, size=(3, 4), dtype="<i4")
+        rows[:, 0] = np.arange(3 * i, 3 * i + 3)
+        write_rows(root / f"f{i:05d}.h5", rows)
+        ref.append(rows)
+    want = np.concatenate(ref)
+    monkeypatch.setenv("STOKER_BIN", str(limited_stoker(tmp_path, 1024)))
+    extra = "" if max_open_files is None else f"\n[limits]\nmax_open_files = {max_open_files}\n"
+    daemon = start_daemon(allowed_roots=[tmp_path], extra=extra)
+    with open(f"/proc/{daemon.proc.pid}/limits") as f:
+        assert any(line.startswith("Max open files") and "1024" in line for line in f), "limit not applied"
+    spec = stoker.hdf5(str(root / "*.h5"), fields={"x": "x"})
+    loader = stoker.Loader(spec, batch_size=100, shuffle=True, seed=1, socket=daemon.socket, timeout=120)
+    seen = np.zeros(len(want), dtype=bool)
+    peak = 0
+    for batch in loader:
+        x = np.array(batch["x"])
+        idx = x[:, 0]
+        check_field("x", x, want[idx])
+        seen[idx] = True
+        peak = max(peak, sum(t.startswith(str(root)) for t in fd_targets(daemon.proc.pid)))
+    loader.close()
+    assert seen.all(), f"{(~seen).sum()} rows never served"
+    # Two descriptors per open file, plus a few for files being opened or
+    # still read by a worker thread right after they were closed.
+    bound = 2 * (max_open_files or (1024 - 128) // 2) + 16
+    assert peak <= bound, f"{peak} descriptors open under {root} (bound {bound})"
+    assert len(fd_targets(daemon.proc.pid)) < 1024
+    assert "EMFILE" not in daemon.stderr() and "Too many open files" not in daemon.stderr()
