@@ -148,6 +148,22 @@ def cli_as_nobody(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def stop_all_threads(pid: int) -> None:
+    """SIGSTOP, then wait until every thread of `pid` is stopped (kill returns before they are)."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                states.append(Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                pass
+        return all(s in ("T", "t") for s in states)
+
+    poll(stopped, timeout=10, interval=0.01)
+
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -240,7 +256,7 @@ def test_state_dict_is_exact_after_a_timeout(start_daemon, stoker, data) -> None
     it = iter(loader)
     assert np.array_equal(next(it)["label"], expected[0])
     assert np.array_equal(next(it)["label"], expected[1])
-    os.kill(d.proc.pid, signal.SIGSTOP)
+    stop_all_threads(d.proc.pid)
     try:
         it._timeout = 0.3  # this one wait only
         with pytest.raises(stoker.Timeout):

@@ -529,4 +529,172 @@ mod tests {
             assert!(matches!(stream.next().await, Delivery::Batch(BatchReady { epoch: 1, step: 0, .. })));
         });
     }
+
+    /// Writes each sample's index, but only as far as the test lets it: a
+    /// deterministic stand-in for a slow read.
+    #[derive(Debug)]
+    struct Gated {
+        fields: Vec<FieldSpec>,
+        allowed: std::sync::Mutex<u64>,
+        opened: std::sync::Condvar,
+    }
+
+    impl Gated {
+        fn allow(&self, samples: u64) {
+            *self.allowed.lock().unwrap() += samples;
+            self.opened.notify_all();
+        }
+    }
+
+    impl Source for Gated {
+        fn len(&self) -> u64 {
+            16
+        }
+
+        fn fields(&self) -> &[FieldSpec] {
+            &self.fields
+        }
+
+        fn read_sample(&self, sample: SampleRef, out: &mut [FieldOut<'_>]) -> Result<(), SourceError> {
+            let mut allowed = self.allowed.lock().unwrap();
+            while *allowed == 0 {
+                allowed = self.opened.wait(allowed).unwrap();
+            }
+            *allowed -= 1;
+            out[0].data.copy_from_slice(&sample.index.to_ne_bytes());
+            Ok(())
+        }
+    }
+
+    fn gated_stream(depth: u32) -> (Arc<Gated>, Arc<Stream>) {
+        let field = FieldSpec {
+            name: "x".into(),
+            origin: "test".into(),
+            dtype: DType::U64,
+            shape: vec![],
+            max_sample_bytes: None,
+        };
+        let source = Arc::new(Gated {
+            fields: vec![field.clone()],
+            allowed: std::sync::Mutex::new(0),
+            opened: std::sync::Condvar::new(),
+        });
+        let layout = BatchLayout::new(2, [field.decl()], &LayoutLimits::DEFAULT).unwrap();
+        let ring = Ring::create("gated-test", &layout, depth).unwrap();
+        let pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap());
+        let meta = StreamMeta { id: 1, client_id: 1, pid: 1, dataset: "gated".into(), rank: 0, world_size: 1 };
+        let sampler = Sampler::new(16, 0, 1, 2, false, 0, false);
+        let stream = Stream::start(meta, source.clone() as Arc<dyn Source>, sampler, ring, pool, 0, 0);
+        (source, stream)
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap()
+    }
+
+    #[test]
+    fn a_release_while_next_waits_does_not_answer_the_next() {
+        let (gate, stream) = gated_stream(2);
+        let rt = runtime();
+        gate.allow(2);
+        let first = match rt.block_on(stream.next()) {
+            Delivery::Batch(b) => b,
+            other => panic!("expected batch 0, got {other:?}"),
+        };
+        assert_eq!(first.step, 0);
+        // Batch 1 is filling (gated); a Next waits for it.
+        let waiting = rt.spawn({
+            let stream = stream.clone();
+            async move { stream.next().await }
+        });
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(!waiting.is_finished());
+        // A release from another thread frees a slot but does not satisfy the wait.
+        let releaser = std::thread::spawn({
+            let stream = stream.clone();
+            move || stream.release(first.slot)
+        });
+        assert!(releaser.join().unwrap());
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(!waiting.is_finished(), "the waiting Next returned before its batch was ready");
+        gate.allow(2);
+        match rt.block_on(waiting).unwrap() {
+            Delivery::Batch(b) => assert_eq!((b.epoch, b.step), (0, 1)),
+            other => panic!("expected batch 1, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn deliveries_stay_in_step_order_whatever_the_clients_release_order() {
+        let (gate, stream) = gated_stream(4);
+        gate.allow(u64::MAX / 2);
+        let rt = runtime();
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let mut held: Vec<BatchReady> = Vec::new();
+        let mut steps = Vec::new();
+        while steps.len() < 8 * 3 {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            // Hold up to three batches, releasing a random one of them now and then.
+            if held.len() == 3 || (!held.is_empty() && rng % 3 == 0) {
+                let b = held.swap_remove((rng >> 8) as usize % held.len());
+                assert!(stream.release(b.slot));
+                assert!(!stream.release(b.slot), "a slot is released once");
+                continue;
+            }
+            match rt.block_on(stream.next()) {
+                Delivery::Batch(b) => {
+                    steps.push((b.epoch, b.step));
+                    held.push(b);
+                }
+                Delivery::EndOfEpoch(_) => {}
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        let want: Vec<(u64, u64)> = (0..3).flat_map(|e| (0..8).map(move |s| (e, s))).collect();
+        assert_eq!(steps, want);
+    }
+
+    #[test]
+    fn a_failed_batch_names_its_step_and_the_stream_moves_past_it() {
+        let field = FieldSpec {
+            name: "x".into(),
+            origin: "test".into(),
+            dtype: DType::U64,
+            shape: vec![],
+            max_sample_bytes: None,
+        };
+        let source: Arc<dyn Source> = Arc::new(Panicky { fields: vec![field.clone()], panic_on: 9 });
+        let layout = BatchLayout::new(4, [field.decl()], &LayoutLimits::DEFAULT).unwrap();
+        let ring = Ring::create("failed-step", &layout, 2).unwrap();
+        let pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap());
+        let meta = StreamMeta { id: 1, client_id: 1, pid: 1, dataset: "p".into(), rank: 0, world_size: 1 };
+        let stream = Stream::start(meta, source, Sampler::new(32, 0, 1, 4, false, 0, false), ring, pool, 3, 1);
+        let rt = runtime();
+        match rt.block_on(stream.next()) {
+            Delivery::Batch(b) => {
+                assert_eq!((b.epoch, b.step), (3, 1));
+                stream.release(b.slot);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(rt.block_on(stream.next()), Delivery::Failed { epoch: 3, step: 2, .. }));
+        assert!(matches!(rt.block_on(stream.next()), Delivery::Batch(BatchReady { epoch: 3, step: 3, .. })));
+    }
+
+    #[test]
+    fn set_epoch_discards_prefetch_and_resumes_at_the_step() {
+        let (gate, stream) = gated_stream(3);
+        gate.allow(u64::MAX / 2);
+        let rt = runtime();
+        let Delivery::Batch(b) = rt.block_on(stream.next()) else { panic!("no batch") };
+        assert!(stream.release(b.slot));
+        stream.set_epoch(5, 6).unwrap();
+        match rt.block_on(stream.next()) {
+            Delivery::Batch(b) => assert_eq!((b.epoch, b.step), (5, 6)),
+            other => panic!("{other:?}"),
+        }
+        assert!(stream.set_epoch(5, 9).is_err(), "a step past the epoch is refused");
+    }
 }
