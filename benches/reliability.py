@@ -99,7 +99,8 @@ def client_kills(binary: str, work: Path, rounds: int) -> dict:
             p.wait()
         time.sleep(1.0)
         after = (*fds(d.proc.pid), rss_mb(d.proc.pid))
-        clients = len(stoker_status(binary, d.socket)["clients"])
+        # The status query is a client itself.
+        clients = len(stoker_status(binary, d.socket)["clients"]) - 1
         return {"rounds": rounds, "before": before, "after": after, "clients_after": clients,
                 "alive": d.proc.poll() is None}
 
@@ -334,7 +335,7 @@ def main() -> None:
         "| check | result |",
         "| --- | --- |",
         f"| {kills['rounds']} clients SIGKILLed holding 2 batches each | descriptors {b[0]} → {a[0]}, memfds {b[1]} → "
-        f"{a[1]}, RSS {b[2]:.0f} → {a[2]:.0f} MB, clients left {kills['clients_after']}, daemon alive: "
+        f"{a[1]}, RSS {b[2]:.0f} → {a[2]:.0f} MB, other clients left {kills['clients_after']}, daemon alive: "
         f"{kills['alive']} |",
         f"| daemon restarted (SIGTERM + new daemon) {rs['restarts']} times during {rs['epochs']} epochs, client "
         f"`reconnect=60` | {rs['exact_epochs']}/{rs['epochs']} epochs exact (no sample repeated or skipped) |",
