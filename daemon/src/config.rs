@@ -137,9 +137,10 @@ pub struct LimitsConfig {
     pub max_sample_bytes: u64,
     /// Most bytes one batch (one ring slot) may take.
     pub max_batch_bytes: u64,
-    /// Shared memory all rings of all clients may take together, in bytes;
-    /// 0 means half of the machine's physical memory.
-    pub max_ring_bytes_total: u64,
+    /// Memory the daemon may take for the rings of all clients together plus
+    /// the chunk cache's capacity, in bytes; 0 means half of the machine's
+    /// physical memory.
+    pub max_memory_bytes: u64,
     /// HDF5 files open at once across all datasets (each takes two descriptors
     /// and libhdf5's caches); the least recently read beyond it are closed and
     /// reopened on their next read. Also bounded by half the descriptor limit.
@@ -167,7 +168,7 @@ impl Default for LimitsConfig {
             max_connections_per_uid: 128,
             max_sample_bytes: stoker_proto::DEFAULT_MAX_SAMPLE_BYTES,
             max_batch_bytes: stoker_proto::DEFAULT_MAX_BATCH_BYTES,
-            max_ring_bytes_total: 0,
+            max_memory_bytes: 0,
             max_open_files: 512,
             idle_close_s: 2.0,
         }
@@ -267,7 +268,7 @@ pub struct Settings {
     pub worker_threads: usize,
     /// Slots per ring.
     pub ring_depth: u32,
-    /// Limits (`max_ring_bytes_total` resolved: never 0).
+    /// Limits (`max_memory_bytes` resolved: never 0).
     pub limits: LimitsConfig,
     /// Bytes of the decoded-chunk cache.
     pub chunk_cache_bytes: u64,
@@ -372,8 +373,15 @@ impl Config {
             return Err(invalid("[limits] max_sample_bytes and max_batch_bytes must be at least 1".into()));
         }
         let mut limits = self.limits;
-        if limits.max_ring_bytes_total == 0 {
-            limits.max_ring_bytes_total = physical_memory().map_or(u64::MAX, |bytes| bytes / 2);
+        if limits.max_memory_bytes == 0 {
+            limits.max_memory_bytes = physical_memory().map_or(u64::MAX, |bytes| bytes / 2);
+        }
+        if self.cache.chunk_bytes >= limits.max_memory_bytes {
+            return Err(invalid(format!(
+                "[cache] chunk_bytes = {} leaves nothing of the daemon's memory budget ([limits] max_memory_bytes = \
+                 {}) for the rings; lower it or raise the budget",
+                self.cache.chunk_bytes, limits.max_memory_bytes
+            )));
         }
         let mut allowed_roots = Vec::new();
         for root in &self.server.allowed_roots {
@@ -484,8 +492,8 @@ mod tests {
         assert_eq!(cfg.limits.max_batch_size, LimitsConfig::default().max_batch_size);
         let (shipped, default) = (&cfg.limits, LimitsConfig::default());
         assert_eq!(
-            (shipped.max_sample_bytes, shipped.max_batch_bytes, shipped.max_ring_bytes_total),
-            (default.max_sample_bytes, default.max_batch_bytes, default.max_ring_bytes_total)
+            (shipped.max_sample_bytes, shipped.max_batch_bytes, shipped.max_memory_bytes),
+            (default.max_sample_bytes, default.max_batch_bytes, default.max_memory_bytes)
         );
         assert_eq!(shipped.max_ring_bytes_per_client, default.max_ring_bytes_per_client);
         cfg.validate(path).unwrap();

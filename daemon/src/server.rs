@@ -787,14 +787,16 @@ impl Connection {
         // cannot together overshoot the daemon-wide budget.
         let mut all_streams = lock(&self.daemon.streams);
         let total: u64 = all_streams.values().map(|s| s.ring().bytes()).sum();
-        if total.saturating_add(want) > limits.max_ring_bytes_total {
+        let cache = settings.chunk_cache_bytes;
+        if total.saturating_add(want).saturating_add(cache) > limits.max_memory_bytes {
             return Err((
                 ErrorKind::Limit,
                 format!(
                     "this stream needs {want} bytes of shared memory ({depth} slots × {} bytes) and the daemon's \
-                     streams already hold {total}; the limit for all clients together is {} ([limits] \
-                     max_ring_bytes_total): use a smaller batch_size, or retry when other jobs have finished",
-                    layout.slot_bytes, limits.max_ring_bytes_total
+                     streams already hold {total}, besides {cache} bytes of chunk cache; the daemon's memory budget \
+                     is {} ([limits] max_memory_bytes): use a smaller batch_size, or retry when other jobs have \
+                     finished",
+                    layout.slot_bytes, limits.max_memory_bytes
                 ),
             ));
         }
