@@ -637,7 +637,7 @@ mod tests {
             rng ^= rng >> 7;
             rng ^= rng << 17;
             // Hold up to three batches, releasing a random one of them now and then.
-            if held.len() == 3 || (!held.is_empty() && rng % 3 == 0) {
+            if held.len() == 3 || (!held.is_empty() && rng.is_multiple_of(3)) {
                 let b = held.swap_remove((rng >> 8) as usize % held.len());
                 assert!(stream.release(b.slot));
                 assert!(!stream.release(b.slot), "a slot is released once");
