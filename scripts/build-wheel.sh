@@ -46,7 +46,7 @@ fi
 pkg="$repo/client-py/python/stoker"
 # Staged into the package source only for the build: a source checkout's
 # package (maturin develop) must not carry a stale copy of the daemon.
-cleanup() { rm -rf "$pkg/bin" "$pkg/.libs"; }
+cleanup() { rm -rf "${pkg:?}/bin" "${pkg:?}/.libs"; }
 trap cleanup EXIT
 cleanup
 mkdir -p "$pkg/bin" "$pkg/.libs"
@@ -69,6 +69,11 @@ is_base() {
 # ldd lists the whole closure (libhdf5's own needs included), resolved the
 # way the build machine resolves them.
 echo "==> bundling shared libraries into stoker/.libs" >&2
+if ! ldd_out=$(env -u LD_LIBRARY_PATH ldd "$pkg/bin/stoker" 2>&1) || grep -q "not found" <<<"$ldd_out"; then
+  echo "build-wheel: $binary does not load on this machine (install libhdf5-dev: scripts/setup.sh):" >&2
+  echo "$ldd_out" >&2
+  exit 1
+fi
 while read -r soname arrow path _; do
   [ "$arrow" = "=>" ] || continue
   is_base "$soname" && continue
@@ -78,9 +83,11 @@ while read -r soname arrow path _; do
   fi
   cp -L "$path" "$pkg/.libs/$soname"
   chmod 644 "$pkg/.libs/$soname"
+  # shellcheck disable=SC2016 # $ORIGIN is for the dynamic loader, not the shell
   "$patchelf" --set-rpath '$ORIGIN' "$pkg/.libs/$soname"
   echo "    $soname  ($path)" >&2
-done < <(env -u LD_LIBRARY_PATH ldd "$pkg/bin/stoker")
+done <<<"$ldd_out"
+# shellcheck disable=SC2016 # $ORIGIN is for the dynamic loader, not the shell
 "$patchelf" --set-rpath '$ORIGIN/../.libs' "$pkg/bin/stoker"
 
 # Each bundled file must now resolve everything from .libs or the base set.
@@ -97,14 +104,21 @@ glibc_minor=$(
   for f in "$pkg/bin/stoker" "$pkg"/.libs/*; do objdump -T "$f"; done |
     grep -o 'GLIBC_2\.[0-9]*' | sort -t. -k2 -n -u | tail -n1 | cut -d. -f2
 )
-compat="manylinux_2_${glibc_minor:-17}"
-[ "${glibc_minor:-17}" -lt 17 ] && compat="manylinux_2_17"
+glibc_minor=${glibc_minor:-17}
+if [ "$glibc_minor" -lt 17 ]; then glibc_minor=17; fi # the oldest tag Rust targets
+compat="manylinux_2_${glibc_minor}"
 
 echo "==> maturin build --release ($compat)" >&2
 mkdir -p "$out"
-"$maturin" build --release --locked -q -m client-py/Cargo.toml -i "$python" \
-  --compatibility "$compat" --out "$out" >&2
-wheel=$(ls -t "$out"/stoker-*.whl | head -n1)
+wheel=$(
+  "$maturin" build --release --locked -m client-py/Cargo.toml -i "$python" \
+    --compatibility "$compat" --out "$out" 2>&1 |
+    tee /dev/stderr | sed -n 's/.*Built wheel .* to \(.*\.whl\)$/\1/p' | tail -n1
+)
+if [ ! -f "$wheel" ]; then
+  echo "build-wheel: maturin did not say where it put the wheel" >&2
+  exit 1
+fi
 
 # The wheel must carry the daemon, executable, and its libraries.
 "$python" - "$wheel" <<'EOF' >&2

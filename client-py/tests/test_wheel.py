@@ -10,7 +10,8 @@ bundled binary's libraries resolve from the wheel or glibc's base set, the
 venv's python reads an HDF5 file written by h5py, byte for byte.
 
 Building and installing take a few seconds when the release build is warm
-(pip fetches numpy from its cache or index). Skip with STOKER_SKIP_WHEEL_TEST=1.
+(pip fetches numpy from its cache or index). Skip with STOKER_SKIP_WHEEL_TEST=1;
+test a wheel built elsewhere with STOKER_WHEEL=path/to/stoker-*.whl.
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ class Venv:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    prebuilt = os.environ.get("STOKER_WHEEL")
+    if prebuilt:
+        # A wheel built elsewhere (CI artifact, another machine): test it as is.
+        return Path(prebuilt)
     binary = stoker_bin()
     if not binary.is_file():
         pytest.fail(f"stoker binary not found at {binary} (build it or set STOKER_BIN)")
