@@ -38,6 +38,7 @@ from ._native import (
     Timeout,
     __version__,
 )
+from ._cli import daemon_binary
 
 __all__ = [
     "Loader",
@@ -53,6 +54,7 @@ __all__ = [
     "AccessDenied",
     "Timeout",
     "__version__",
+    "daemon_binary",
 ]
 
 #: A batch: field name → array ``[b, ...]``, or a list of per-sample arrays for variable-shape fields.
