@@ -362,6 +362,11 @@ impl Source for Hdf5Source {
         &self.fields
     }
 
+    fn open_files(&self) -> u64 {
+        let open = |f: &&Arc<Hdf5File>| f.handle.read().unwrap_or_else(PoisonError::into_inner).is_some();
+        self.files.iter().filter(open).count() as u64
+    }
+
     fn read_sample(&self, sample: SampleRef, out: &mut [FieldOut<'_>]) -> Result<(), SourceError> {
         let index = sample.index;
         let file_idx = self.starts.partition_point(|&s| s <= index) - 1;
