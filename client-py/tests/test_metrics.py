@@ -211,3 +211,36 @@ def test_metrics_listen_must_be_an_address(start_daemon: Callable[..., Daemon], 
     res = subprocess.run([str(stoker_bin()), "validate", str(config)], capture_output=True, text=True, timeout=60)
     assert res.returncode != 0
     assert "[metrics] listen" in res.stderr and "localhost" in res.stderr, res.stderr
+
+
+def test_skipped_samples_are_counted_and_kept(
+    start_daemon: Callable[..., Daemon], stoker: Any, tmp_path: Any
+) -> None:
+    import time
+
+    import numpy as np
+    from lmdb_data import key, npy_bytes, write_env
+
+    n = 12
+    items = {key(i): npy_bytes(np.full((3,), i, dtype=np.int32)) for i in range(n)}
+    items[key(5)] = b"not an npy value"
+    env = write_env(tmp_path / "vals", items)
+    daemon, base = with_metrics(start_daemon)
+    spec = stoker.lmdb({"v": env}, fields={"v": "npy"}, on_error="skip")
+    loader = stoker.Loader(spec, batch_size=4, shuffle=False, socket=daemon.socket)
+    served = [int(row[0]) for batch in loader for row in np.asarray(batch["v"])]
+    assert 5 not in served and len(served) == n
+
+    def skipped(text: str) -> float:
+        m = samples(text)
+        values = [v for (name, _), v in m.items() if name == "stoker_dataset_skipped_samples_total"]
+        assert len(values) == 1, values
+        return values[0]
+
+    assert skipped(scrape(base)[1]) >= 1
+    loader.close()
+    time.sleep(2.5)  # past [limits] idle_close_s: the source itself is closed
+    after = scrape(base)[1]
+    assert skipped(after) >= 1, "the count must outlive the source"
+    opened = [v for (name, _), v in samples(after).items() if name == "stoker_dataset_open_files"]
+    assert opened in ([], [0.0]), opened

@@ -173,8 +173,13 @@ impl Metrics {
 
     /// The OpenMetrics text of one scrape.
     pub fn render(&self, scrape: Scrape) -> String {
-        let datasets: Vec<(String, Arc<DatasetCounters>)> =
-            self.datasets.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let datasets: Vec<(String, Arc<DatasetCounters>)> = self
+            .datasets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         let counters: HashMap<&str, &Arc<DatasetCounters>> = datasets.iter().map(|(k, v)| (k.as_str(), v)).collect();
         // Every open source once (streams share them), with its dataset.
         let mut sources: HashMap<*const (), (&str, &Arc<dyn Source>)> = HashMap::new();
@@ -354,10 +359,14 @@ impl Collector for Snapshot {
         use Value::{Float, Int};
         let e = &mut encoder;
 
-        family(e, "stoker_build_info", "Version of the running daemon (always 1)", None, Gauge, [(
-            [("version", env!("CARGO_PKG_VERSION"))],
-            Int(1),
-        )])?;
+        family(
+            e,
+            "stoker_build_info",
+            "Version of the running daemon (always 1)",
+            None,
+            Gauge,
+            [([("version", env!("CARGO_PKG_VERSION"))], Int(1))],
+        )?;
         single(e, "stoker_clients", "Client connections open", None, Gauge, Int(self.clients))?;
         single(e, "stoker_streams", "Streams open", None, Gauge, Int(self.streams.len() as u64))?;
         single(e, "stoker_worker_threads", "Threads in the worker pool", None, Gauge, Int(self.worker_threads))?;
@@ -435,9 +444,15 @@ impl Collector for Snapshot {
             .iter()
             .map(|s| ([("stream", s.id.to_string()), ("dataset", label(&s.dataset)), ("rank", s.rank.to_string())], s))
             .collect();
-        let per_stream =
-            |f: fn(&StreamRow) -> Value| streams.iter().map(move |(labels, row)| (labels.clone(), f(row)));
-        family(e, "stoker_stream_batches", "Batches delivered to the client", None, Counter, per_stream(|r| Int(r.batches)))?;
+        let per_stream = |f: fn(&StreamRow) -> Value| streams.iter().map(move |(labels, row)| (labels.clone(), f(row)));
+        family(
+            e,
+            "stoker_stream_batches",
+            "Batches delivered to the client",
+            None,
+            Counter,
+            per_stream(|r| Int(r.batches)),
+        )?;
         family(
             e,
             "stoker_stream_delivered",
@@ -454,8 +469,22 @@ impl Collector for Snapshot {
             Counter,
             per_stream(|r| Float(r.wait_s)),
         )?;
-        family(e, "stoker_stream_slots_filled", "Ring slots filled, waiting for the client", None, Gauge, per_stream(|r| Int(r.filled)))?;
-        family(e, "stoker_stream_slots_leased", "Ring slots the client holds", None, Gauge, per_stream(|r| Int(r.leased)))?;
+        family(
+            e,
+            "stoker_stream_slots_filled",
+            "Ring slots filled, waiting for the client",
+            None,
+            Gauge,
+            per_stream(|r| Int(r.filled)),
+        )?;
+        family(
+            e,
+            "stoker_stream_slots_leased",
+            "Ring slots the client holds",
+            None,
+            Gauge,
+            per_stream(|r| Int(r.leased)),
+        )?;
         family(e, "stoker_stream_slots", "Ring slots ([ring] depth)", None, Gauge, per_stream(|r| Int(r.depth)))?;
         Ok(())
     }
@@ -513,7 +542,13 @@ struct Response {
 
 impl Response {
     fn text(status: &'static str, body: &str) -> Response {
-        Response { status, content_type: "text/plain; charset=utf-8", body: format!("{body}\n"), head_only: false, extra: "" }
+        Response {
+            status,
+            content_type: "text/plain; charset=utf-8",
+            body: format!("{body}\n"),
+            head_only: false,
+            extra: "",
+        }
     }
 }
 

@@ -515,7 +515,15 @@ mod tests {
         let layout = BatchLayout::new(4, [field.decl()], &LayoutLimits::DEFAULT).unwrap();
         let ring = Ring::create("panic-test", &layout, 3).unwrap();
         let pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap());
-        let meta = StreamMeta { id: 1, client_id: 1, pid: 1, dataset: "panicky".into(), rank: 0, world_size: 1, counters: Default::default() };
+        let meta = StreamMeta {
+            id: 1,
+            client_id: 1,
+            pid: 1,
+            dataset: "panicky".into(),
+            rank: 0,
+            world_size: 1,
+            counters: Default::default(),
+        };
         let sampler = Sampler::new(32, 0, 1, 4, false, 0, false);
         let stream = Stream::start(meta, source, sampler, ring, pool, 0, 0);
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -608,7 +616,15 @@ mod tests {
         let layout = BatchLayout::new(2, [field.decl()], &LayoutLimits::DEFAULT).unwrap();
         let ring = Ring::create("gated-test", &layout, depth).unwrap();
         let pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap());
-        let meta = StreamMeta { id: 1, client_id: 1, pid: 1, dataset: "gated".into(), rank: 0, world_size: 1, counters: Default::default() };
+        let meta = StreamMeta {
+            id: 1,
+            client_id: 1,
+            pid: 1,
+            dataset: "gated".into(),
+            rank: 0,
+            world_size: 1,
+            counters: Default::default(),
+        };
         let sampler = Sampler::new(16, 0, 1, 2, false, 0, false);
         let stream = Stream::start(meta, source.clone() as Arc<dyn Source>, sampler, ring, pool, 0, 0);
         (source, stream)
@@ -695,7 +711,15 @@ mod tests {
         let layout = BatchLayout::new(4, [field.decl()], &LayoutLimits::DEFAULT).unwrap();
         let ring = Ring::create("failed-step", &layout, 2).unwrap();
         let pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap());
-        let meta = StreamMeta { id: 1, client_id: 1, pid: 1, dataset: "p".into(), rank: 0, world_size: 1, counters: Default::default() };
+        let meta = StreamMeta {
+            id: 1,
+            client_id: 1,
+            pid: 1,
+            dataset: "p".into(),
+            rank: 0,
+            world_size: 1,
+            counters: Default::default(),
+        };
         let stream = Stream::start(meta, source, Sampler::new(32, 0, 1, 4, false, 0, false), ring, pool, 3, 1);
         let rt = runtime();
         match rt.block_on(stream.next()) {

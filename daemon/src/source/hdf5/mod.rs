@@ -363,7 +363,13 @@ impl Source for Hdf5Source {
     }
 
     fn open_files(&self) -> u64 {
-        let open = |f: &&Arc<Hdf5File>| f.handle.read().unwrap_or_else(PoisonError::into_inner).is_some();
+        // Never waits (a scrape runs on the async threads): a handle locked
+        // for writing is being opened or closed; count it as open.
+        let open = |f: &&Arc<Hdf5File>| match f.handle.try_read() {
+            Ok(h) => h.is_some(),
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner().is_some(),
+            Err(std::sync::TryLockError::WouldBlock) => true,
+        };
         self.files.iter().filter(open).count() as u64
     }
 
