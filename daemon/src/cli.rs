@@ -177,7 +177,15 @@ fn serve(config: Option<&Path>, socket: Option<PathBuf>, log_level: Option<Strin
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("stoker-io").enable_all().build()?;
     let result = runtime.block_on(async {
         let listener = crate::server::bind(&socket, &settings)?;
+        let metrics = match settings.metrics_listen {
+            Some(addr) => Some(crate::metrics::bind(addr).await?),
+            None => None,
+        };
         let daemon = crate::server::Daemon::new(settings)?;
+        if let Some(metrics) = metrics {
+            let daemon = daemon.clone();
+            tokio::spawn(crate::metrics::serve(metrics, move || daemon.metrics_text()));
+        }
         notify(&[NotifyState::Ready, NotifyState::Status("listening")]);
         tokio::spawn(watchdog());
         let reloader = daemon.clone();

@@ -53,6 +53,17 @@ pub struct Config {
     pub hdf5: Hdf5Config,
     /// `[datasets.NAME]`: datasets clients can open by name.
     pub datasets: BTreeMap<String, DatasetConfig>,
+    /// `[metrics]`: the Prometheus endpoint.
+    pub metrics: MetricsConfig,
+}
+
+/// `[metrics]` table.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// Address (`IP:port`) serving Prometheus metrics on `GET /metrics`;
+    /// unset: no metrics endpoint.
+    pub listen: Option<String>,
 }
 
 /// `[server]` table.
@@ -276,6 +287,8 @@ pub struct Settings {
     pub hdf5_fast_path: bool,
     /// Named datasets.
     pub datasets: BTreeMap<String, DatasetConfig>,
+    /// Where metrics are served, if anywhere.
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 impl Config {
@@ -419,6 +432,14 @@ impl Config {
         if limits.max_connections == 0 || limits.max_connections_per_uid == 0 {
             return Err(invalid("[limits] max_connections and max_connections_per_uid must be at least 1".into()));
         }
+        let metrics_listen = match &self.metrics.listen {
+            None => None,
+            Some(addr) => Some(addr.parse().map_err(|_| {
+                invalid(format!(
+                    "[metrics] listen = {addr:?} must be an IP address and port, like \"127.0.0.1:9464\" or \"[::1]:9464\""
+                ))
+            })?),
+        };
         let worker_threads = match self.workers.threads {
             0 => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             n => n,
@@ -438,6 +459,7 @@ impl Config {
             chunk_cache_bytes: self.cache.chunk_bytes,
             hdf5_fast_path: self.hdf5.fast_path,
             datasets: self.datasets,
+            metrics_listen,
         })
     }
 }
@@ -526,6 +548,16 @@ mod tests {
         let names: Vec<_> = cfg.datasets.keys().cloned().collect();
         assert_eq!(names, ["div2k", "imagenet", "shear_flow", "train"]);
         cfg.validate(path).unwrap();
+    }
+
+    #[test]
+    fn metrics_listen_is_an_address() {
+        let parse = |text: &str| Config::parse(text, Path::new("c.toml")).unwrap().validate(Path::new("c.toml"));
+        assert_eq!(parse("").unwrap().metrics_listen, None);
+        let on = parse("[metrics]\nlisten = \"127.0.0.1:9464\"\n").unwrap();
+        assert_eq!(on.metrics_listen, Some("127.0.0.1:9464".parse().unwrap()));
+        let err = parse("[metrics]\nlisten = \"localhost\"\n").unwrap_err().to_string();
+        assert!(err.contains("[metrics] listen") && err.contains("localhost"), "{err}");
     }
 
     #[test]

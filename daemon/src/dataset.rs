@@ -192,6 +192,11 @@ impl Datasets {
             .collect()
     }
 
+    /// Every open source with its label (idle ones included), for metrics.
+    pub fn sources(&self) -> Vec<(String, Arc<dyn Source>)> {
+        self.lock().values().map(|e| (e.opened.label.clone(), e.opened.source.clone())).collect()
+    }
+
     /// `(label, samples skipped)` of every open dataset that skipped any.
     pub fn skips(&self) -> Vec<(String, u64)> {
         self.lock()

@@ -64,6 +64,7 @@ pub struct Daemon {
     admitted: Mutex<(usize, HashMap<u32, usize>)>,
     next_id: AtomicU64,
     own_uid: u32,
+    metrics: crate::metrics::Metrics,
 }
 
 impl Daemon {
@@ -87,6 +88,7 @@ impl Daemon {
             admitted: Mutex::new((0, HashMap::new())),
             next_id: AtomicU64::new(1),
             own_uid: rustix::process::getuid().as_raw(),
+            metrics: crate::metrics::Metrics::default(),
         }))
     }
 
@@ -126,6 +128,7 @@ impl Daemon {
             ("socket", old.socket != new.socket),
             ("worker threads", old.worker_threads != new.worker_threads),
             ("chunk cache size", old.chunk_cache_bytes != new.chunk_cache_bytes),
+            ("[metrics] listen", old.metrics_listen != new.metrics_listen),
         ] {
             if differs {
                 changes.push(format!("{what} changed but needs a restart to take effect"));
@@ -219,6 +222,18 @@ impl Daemon {
 
     fn datasets(&self) -> Vec<DatasetInfo> {
         self.datasets.named()
+    }
+
+    /// The Prometheus (OpenMetrics text) exposition of the daemon's state, for `GET /metrics`.
+    pub fn metrics_text(&self) -> String {
+        let streams: Vec<Arc<Stream>> = lock(&self.streams).values().cloned().collect();
+        self.metrics.render(crate::metrics::Scrape {
+            streams,
+            sources: self.datasets.sources(),
+            cache: self.chunk_cache.stats(),
+            clients: lock(&self.clients).len() as u64,
+            worker_threads: self.pool.current_num_threads() as u64,
+        })
     }
 }
 
@@ -803,6 +818,7 @@ impl Connection {
         let id = self.daemon.id();
         let ring = Ring::create(&format!("stoker-stream-{id}"), &layout, depth)
             .map_err(|e| (ErrorKind::Internal, format!("cannot create shared memory of {want} bytes: {e}")))?;
+        let counters = self.daemon.metrics.dataset(&label);
         let meta = StreamMeta {
             id,
             client_id: self.id,
@@ -810,6 +826,7 @@ impl Connection {
             dataset: label,
             rank: open.rank,
             world_size: open.world_size,
+            counters,
         };
         let stream = Stream::start(meta, source, sampler, ring, self.daemon.pool.clone(), open.epoch, open.step);
         all_streams.insert(id, stream.clone());

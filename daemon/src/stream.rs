@@ -18,12 +18,14 @@
 use std::any::Any;
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 use stoker_proto::{BatchLayout, BatchReady, StreamStatus};
 
+use crate::metrics::DatasetCounters;
 use crate::ring::Ring;
 use crate::sampler::Sampler;
 use crate::source::{SampleRef, Source};
@@ -48,6 +50,8 @@ pub struct StreamMeta {
     pub rank: u64,
     /// World size.
     pub world_size: u64,
+    /// The counters of the dataset it reads (metrics).
+    pub counters: Arc<DatasetCounters>,
 }
 
 /// One open stream.
@@ -75,6 +79,7 @@ struct State {
     slots: Vec<Slot>,
     closed: bool,
     delivered: u64,
+    bytes_delivered: u64,
     wait: Duration,
     recent: VecDeque<(Instant, u64)>,
 }
@@ -137,6 +142,7 @@ impl Stream {
                 slots: vec![Slot::Free; depth],
                 closed: false,
                 delivered: 0,
+                bytes_delivered: 0,
                 wait: Duration::ZERO,
                 recent: VecDeque::new(),
             }),
@@ -161,6 +167,16 @@ impl Stream {
     /// Where fields lie in each slot.
     pub fn layout(&self) -> &BatchLayout {
         self.ring.layout()
+    }
+
+    /// The dataset it reads.
+    pub fn source(&self) -> &Arc<dyn Source> {
+        &self.source
+    }
+
+    /// Sample bytes delivered so far (for metrics).
+    pub fn bytes_delivered(&self) -> u64 {
+        self.lock().bytes_delivered
     }
 
     /// The sampler (batch counts).
@@ -229,6 +245,7 @@ impl Stream {
         let now = Instant::now();
         st.delivered += 1;
         let bytes = self.ring.batch_bytes(slot as u32, rows);
+        st.bytes_delivered = st.bytes_delivered.saturating_add(bytes);
         st.recent.push_back((now, bytes));
         while st.recent.front().is_some_and(|(t, _)| now.duration_since(*t) > RATE_WINDOW) {
             st.recent.pop_front();
@@ -286,6 +303,7 @@ impl Stream {
         st.closed = true;
         st.generation += 1;
         drop(st);
+        self.meta.counters.observe_skips(&self.source);
         self.changed.notify_waiters();
     }
 
@@ -347,7 +365,9 @@ impl Stream {
         let perm = self.sampler.permutation(epoch);
         let seed = self.sampler.seed();
         let failure = Mutex::new(None::<String>);
+        let busy = AtomicU64::new(0);
         writer.split(parts, MIN_ROWS_PER_TASK).into_par_iter().for_each(|mut part| {
+            let _timer = crate::metrics::Timer::new(&busy);
             for row in part.rows() {
                 let index = self.sampler.index(perm.as_ref(), step, row);
                 let sample = SampleRef { index, seed, epoch };
@@ -374,6 +394,7 @@ impl Stream {
                 return;
             }
         });
+        self.meta.counters.filled(Duration::from_nanos(busy.into_inner()));
         failure.into_inner().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -388,6 +409,11 @@ impl Stream {
     ) {
         let mut st = self.lock();
         let current = st.generation == generation && !st.closed;
+        if current {
+            // No writer holds the slot any more: its shape table is final.
+            let bytes = if error.is_none() { self.ring.batch_bytes(slot as u32, rows) } else { 0 };
+            self.meta.counters.completed(bytes, error.is_some());
+        }
         st.slots[slot] = if current { Slot::Ready { generation, epoch, step, rows, error } } else { Slot::Free };
         if !current {
             self.fill(&mut st);
@@ -489,7 +515,15 @@ mod tests {
         let layout = BatchLayout::new(4, [field.decl()], &LayoutLimits::DEFAULT).unwrap();
         let ring = Ring::create("panic-test", &layout, 3).unwrap();
         let pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap());
-        let meta = StreamMeta { id: 1, client_id: 1, pid: 1, dataset: "panicky".into(), rank: 0, world_size: 1 };
+        let meta = StreamMeta {
+            id: 1,
+            client_id: 1,
+            pid: 1,
+            dataset: "panicky".into(),
+            rank: 0,
+            world_size: 1,
+            counters: Default::default(),
+        };
         let sampler = Sampler::new(32, 0, 1, 4, false, 0, false);
         let stream = Stream::start(meta, source, sampler, ring, pool, 0, 0);
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -582,7 +616,15 @@ mod tests {
         let layout = BatchLayout::new(2, [field.decl()], &LayoutLimits::DEFAULT).unwrap();
         let ring = Ring::create("gated-test", &layout, depth).unwrap();
         let pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap());
-        let meta = StreamMeta { id: 1, client_id: 1, pid: 1, dataset: "gated".into(), rank: 0, world_size: 1 };
+        let meta = StreamMeta {
+            id: 1,
+            client_id: 1,
+            pid: 1,
+            dataset: "gated".into(),
+            rank: 0,
+            world_size: 1,
+            counters: Default::default(),
+        };
         let sampler = Sampler::new(16, 0, 1, 2, false, 0, false);
         let stream = Stream::start(meta, source.clone() as Arc<dyn Source>, sampler, ring, pool, 0, 0);
         (source, stream)
@@ -669,7 +711,15 @@ mod tests {
         let layout = BatchLayout::new(4, [field.decl()], &LayoutLimits::DEFAULT).unwrap();
         let ring = Ring::create("failed-step", &layout, 2).unwrap();
         let pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap());
-        let meta = StreamMeta { id: 1, client_id: 1, pid: 1, dataset: "p".into(), rank: 0, world_size: 1 };
+        let meta = StreamMeta {
+            id: 1,
+            client_id: 1,
+            pid: 1,
+            dataset: "p".into(),
+            rank: 0,
+            world_size: 1,
+            counters: Default::default(),
+        };
         let stream = Stream::start(meta, source, Sampler::new(32, 0, 1, 4, false, 0, false), ring, pool, 3, 1);
         let rt = runtime();
         match rt.block_on(stream.next()) {

@@ -636,6 +636,13 @@ impl Source for LmdbSource {
         LmdbSource::skipped(self)
     }
 
+    fn open_files(&self) -> u64 {
+        let mut envs: Vec<*const SharedEnv> = self.envs.iter().map(Arc::as_ptr).collect();
+        envs.sort_unstable();
+        envs.dedup();
+        envs.len() as u64
+    }
+
     fn poisoned(&self) -> Option<String> {
         LmdbSource::poisoned(self)
     }

@@ -67,6 +67,11 @@ pub trait Source: Send + Sync + std::fmt::Debug {
         0
     }
 
+    /// Files it holds open now (HDF5 files, LMDB environments), for metrics.
+    fn open_files(&self) -> u64 {
+        0
+    }
+
     /// Why the source can no longer be read, once a read found one of its
     /// mapped files truncated or corrupt (LMDB). A poisoned source fails
     /// every read; whoever caches sources must open a fresh one instead.

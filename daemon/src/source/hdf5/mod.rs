@@ -362,6 +362,17 @@ impl Source for Hdf5Source {
         &self.fields
     }
 
+    fn open_files(&self) -> u64 {
+        // Never waits (a scrape runs on the async threads): a handle locked
+        // for writing is being opened or closed; count it as open.
+        let open = |f: &&Arc<Hdf5File>| match f.handle.try_read() {
+            Ok(h) => h.is_some(),
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner().is_some(),
+            Err(std::sync::TryLockError::WouldBlock) => true,
+        };
+        self.files.iter().filter(open).count() as u64
+    }
+
     fn read_sample(&self, sample: SampleRef, out: &mut [FieldOut<'_>]) -> Result<(), SourceError> {
         let index = sample.index;
         let file_idx = self.starts.partition_point(|&s| s <= index) - 1;

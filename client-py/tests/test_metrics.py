@@ -1,0 +1,246 @@
+"""The Prometheus endpoint (`[metrics] listen`): scraped over real HTTP with
+urllib, parsed with the official parsers of the Prometheus Python client
+(`prometheus_client.parser` for the text format, and the stricter
+`prometheus_client.openmetrics.parser` for what the daemon declares it serves).
+"""
+
+from __future__ import annotations
+
+import socket
+import urllib.error
+import urllib.request
+from typing import Any, Callable
+
+import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import Daemon, H5Data
+
+#: Bytes of one sample of the default dataset: x f32[4, 3], y u8, label i32.
+SAMPLE_BYTES = 4 * 3 * 4 + 1 + 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def with_metrics(start_daemon: Callable[..., Daemon], **kwargs: Any) -> tuple[Daemon, str]:
+    port = free_port()
+    extra = kwargs.pop("extra", "") + f'\n[metrics]\nlisten = "127.0.0.1:{port}"\n'
+    return start_daemon(extra=extra, **kwargs), f"http://127.0.0.1:{port}"
+
+
+def scrape(base: str) -> tuple[str, str]:
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as resp:
+        assert resp.status == 200
+        return resp.headers["Content-Type"], resp.read().decode()
+
+
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """`{(sample name, labels): value}` as the Prometheus text parser reads it."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(parsed: dict, name: str, **labels: str) -> float:
+    key = (name, frozenset(labels.items()))
+    assert key in parsed, f"{name}{labels} not in {sorted(k for k in parsed if k[0] == name)}"
+    return parsed[key]
+
+
+def test_metrics_are_served_and_move(start_daemon: Callable[..., Daemon], stoker: Any, data: H5Data) -> None:
+    daemon, base = with_metrics(start_daemon, datasets={"train": data})
+    loader = stoker.Loader("train", batch_size=10, shuffle=False, socket=daemon.socket)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+
+    content_type, text = scrape(base)
+    assert content_type.startswith("application/openmetrics-text"), content_type
+    families = {f.name: f for f in parse_openmetrics(text)}
+    expected = {
+        "stoker_build_info": "gauge",
+        "stoker_clients": "gauge",
+        "stoker_streams": "gauge",
+        "stoker_worker_threads": "gauge",
+        "stoker_worker_busy_seconds": "counter",
+        "stoker_chunk_cache_hits": "counter",
+        "stoker_chunk_cache_misses": "counter",
+        "stoker_chunk_cache_bytes": "gauge",
+        "stoker_chunk_cache_capacity_bytes": "gauge",
+        "stoker_chunk_cache_entries": "gauge",
+        "stoker_dataset_batches": "counter",
+        "stoker_dataset_read_bytes": "counter",
+        "stoker_dataset_decode_seconds": "counter",
+        "stoker_dataset_errors": "counter",
+        "stoker_dataset_skipped_samples": "counter",
+        "stoker_dataset_open_files": "gauge",
+        "stoker_stream_batches": "counter",
+        "stoker_stream_delivered_bytes": "counter",
+        "stoker_stream_data_wait_seconds": "counter",
+        "stoker_stream_slots_filled": "gauge",
+        "stoker_stream_slots_leased": "gauge",
+        "stoker_stream_slots": "gauge",
+    }
+    assert {name: families[name].type for name in expected if name in families} == expected
+
+    m = samples(text)
+    stream = {"dataset": "train", "rank": "0"}
+    (stream_id,) = {dict(k[1])["stream"] for k in m if k[0] == "stoker_stream_batches_total"}
+    stream["stream"] = stream_id
+    assert value(m, "stoker_build_info", version=daemon.status()["version"]) == 1
+    assert value(m, "stoker_stream_batches_total", **stream) == 3
+    assert value(m, "stoker_stream_delivered_bytes_total", **stream) == 3 * 10 * SAMPLE_BYTES
+    assert value(m, "stoker_stream_data_wait_seconds_total", **stream) >= 0
+    assert value(m, "stoker_stream_slots", **stream) == 4
+    assert value(m, "stoker_clients") == 1
+    assert value(m, "stoker_streams") == 1
+    assert value(m, "stoker_worker_threads") == 2
+    assert value(m, "stoker_chunk_cache_capacity_bytes") == 512 << 20
+    produced = value(m, "stoker_dataset_batches_total", dataset="train")
+    assert produced >= 3
+    assert value(m, "stoker_dataset_read_bytes_total", dataset="train") >= 3 * 10 * SAMPLE_BYTES
+    assert value(m, "stoker_dataset_decode_seconds_total", dataset="train") > 0
+    assert value(m, "stoker_dataset_errors_total", dataset="train") == 0
+    assert value(m, "stoker_dataset_skipped_samples_total", dataset="train") == 0
+    assert value(m, "stoker_dataset_open_files", dataset="train") >= 1
+    assert value(m, "stoker_worker_busy_seconds_total") >= value(m, "stoker_dataset_decode_seconds_total", dataset="train")
+
+    for _ in range(2):
+        next(batches)
+    m2 = samples(scrape(base)[1])
+    assert value(m2, "stoker_stream_batches_total", **stream) == 5
+    assert value(m2, "stoker_stream_delivered_bytes_total", **stream) == 5 * 10 * SAMPLE_BYTES
+    assert value(m2, "stoker_dataset_batches_total", dataset="train") >= produced
+    del batches
+    loader.close()
+
+    # The stream's series end with it; the dataset's counters stay (they only grow).
+    m3 = samples(scrape(base)[1])
+    assert not [k for k in m3 if k[0] == "stoker_stream_batches_total"]
+    assert value(m3, "stoker_streams") == 0
+    assert value(m3, "stoker_dataset_batches_total", dataset="train") >= value(
+        m2, "stoker_dataset_batches_total", dataset="train"
+    )
+
+
+def test_ad_hoc_dataset_paths_are_escaped_labels(
+    start_daemon: Callable[..., Daemon], stoker: Any, make_h5: Callable[..., H5Data], tmp_path: Any
+) -> None:
+    data = make_h5(tmp_path / 'odd "name" \\ dir', lengths=(20,))
+    daemon, base = with_metrics(start_daemon)
+    loader = stoker.Loader(data.spec(stoker), batch_size=5, socket=daemon.socket)
+    next(iter(loader))
+    text = scrape(base)[1]
+    list(parse_openmetrics(text))  # strict: raises on a malformed label
+    m = samples(text)
+    labels = {dict(k[1]).get("dataset") for k in m if k[0] == "stoker_dataset_batches_total"}
+    assert any(l and 'odd "name" \\ dir' in l for l in labels), labels
+    loader.close()
+
+
+def test_wrong_paths_and_methods(start_daemon: Callable[..., Daemon]) -> None:
+    _, base = with_metrics(start_daemon)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(base + "/", timeout=30)
+    assert e.value.code == 404
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(base + "/metrics/x", timeout=30)
+    assert e.value.code == 404
+    for method in ("POST", "PUT", "DELETE"):
+        req = urllib.request.Request(base + "/metrics", data=b"x" if method != "DELETE" else None, method=method)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 405, method
+        assert "GET" in e.value.headers["Allow"]
+    with urllib.request.urlopen(urllib.request.Request(base + "/metrics", method="HEAD"), timeout=30) as resp:
+        assert resp.status == 200 and resp.read() == b""
+        assert int(resp.headers["Content-Length"]) > 0
+
+
+def raw_request(port: int, payload: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(payload)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_slow_and_garbage_clients_do_not_block_scrapes(start_daemon: Callable[..., Daemon]) -> None:
+    daemon, base = with_metrics(start_daemon)
+    port = int(base.rsplit(":", 1)[1])
+    # Clients that start a request and never finish it.
+    stalled = []
+    for i in range(8):
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)
+        s.sendall(b"GET /metr" if i % 2 else b"\x00\xff\x13garbage")
+        stalled.append(s)
+    try:
+        # Answered at once while they hang.
+        for _ in range(3):
+            _, text = scrape(base)
+            assert "stoker_build_info" in text
+        assert raw_request(port, b"\x16\x03\x01 not http at all\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+        assert raw_request(port, b"GET /metrics HTTP/2.0\r\n\r\n").startswith(b"HTTP/1.1 505 ")
+        # A request head past the bound is refused, not buffered.
+        head = b"GET /metrics HTTP/1.1\r\nX-Pad: " + b"a" * 20000
+        assert raw_request(port, head).startswith(b"HTTP/1.1 431 ")
+        # A stalled client is answered and closed by the daemon's deadline.
+        stalled[1].settimeout(30)
+        assert stalled[1].recv(100).startswith(b"HTTP/1.1 408 ")
+    finally:
+        for s in stalled:
+            s.close()
+    assert daemon.alive()
+    assert "stoker_build_info" in scrape(base)[1]
+
+
+def test_metrics_listen_must_be_an_address(start_daemon: Callable[..., Daemon], tmp_path: Any) -> None:
+    from conftest import stoker_bin
+    import subprocess
+
+    config = tmp_path / "bad.toml"
+    config.write_text('[metrics]\nlisten = "localhost"\n')
+    res = subprocess.run([str(stoker_bin()), "validate", str(config)], capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0
+    assert "[metrics] listen" in res.stderr and "localhost" in res.stderr, res.stderr
+
+
+def test_skipped_samples_are_counted_and_kept(
+    start_daemon: Callable[..., Daemon], stoker: Any, tmp_path: Any
+) -> None:
+    import time
+
+    import numpy as np
+    from lmdb_data import key, npy_bytes, write_env
+
+    n = 12
+    items = {key(i): npy_bytes(np.full((3,), i, dtype=np.int32)) for i in range(n)}
+    items[key(5)] = b"not an npy value"
+    env = write_env(tmp_path / "vals", items)
+    daemon, base = with_metrics(start_daemon)
+    spec = stoker.lmdb({"v": env}, fields={"v": "npy"}, on_error="skip")
+    loader = stoker.Loader(spec, batch_size=4, shuffle=False, socket=daemon.socket)
+    served = [int(row[0]) for batch in loader for row in np.asarray(batch["v"])]
+    assert 5 not in served and len(served) == n
+
+    def skipped(text: str) -> float:
+        m = samples(text)
+        values = [v for (name, _), v in m.items() if name == "stoker_dataset_skipped_samples_total"]
+        assert len(values) == 1, values
+        return values[0]
+
+    assert skipped(scrape(base)[1]) >= 1
+    loader.close()
+    time.sleep(2.5)  # past [limits] idle_close_s: the source itself is closed
+    after = scrape(base)[1]
+    assert skipped(after) >= 1, "the count must outlive the source"
+    opened = [v for (name, _), v in samples(after).items() if name == "stoker_dataset_open_files"]
+    assert opened in ([], [0.0]), opened
