@@ -434,11 +434,11 @@ pub fn format_status(r: &StatusReport, users: &std::collections::HashMap<u32, St
     let w = &r.workers;
     let _ = writeln!(
         out,
-        "workers: {} threads, {:.0}% busy over the last {} ({} busy since start)",
+        "workers: {} threads, {:.0}% busy over the last {} ({:.3} s busy since start)",
         r.worker_threads,
         w.busy_percent,
         human_duration(w.window_s),
-        human_duration(w.busy_s)
+        w.busy_s
     );
     let c = &r.chunk_cache;
     let lookups = c.hits + c.misses;
@@ -467,7 +467,7 @@ pub fn format_status(r: &StatusReport, users: &std::collections::HashMap<u32, St
             d.skipped.to_string(),
         ]
     });
-    let headers = ["<dataset", "<format", "files", "on disk", "samples", "streams", "ring memory", "bad samples skipped"];
+    let headers = ["<dataset", "<format", "files", "on disk", "samples", "streams", "ring memory", "skipped"];
     table(&mut out, &headers, rows);
 
     let _ = writeln!(out, "\nclients: {}", r.clients.len());
@@ -529,17 +529,20 @@ fn table(out: &mut String, headers: &[&str], rows: impl Iterator<Item = Vec<Stri
     if rows.is_empty() {
         return;
     }
-    let cols: Vec<(&str, bool)> = headers.iter().map(|h| h.strip_prefix('<').map_or((*h, false), |h| (h, true))).collect();
+    let cols: Vec<(&str, bool)> =
+        headers.iter().map(|h| h.strip_prefix('<').map_or((*h, false), |h| (h, true))).collect();
     let widths: Vec<usize> = cols
         .iter()
         .enumerate()
-        .map(|(i, (h, _))| rows.iter().filter_map(|r| r.get(i)).map(|c| c.chars().count()).chain([h.len()]).max().unwrap_or(0))
+        .map(|(i, (h, _))| {
+            rows.iter().filter_map(|r| r.get(i)).map(|c| c.chars().count()).chain([h.len()]).max().unwrap_or(0)
+        })
         .collect();
     let mut line = |cells: &mut dyn Iterator<Item = &str>| {
-        let mut text = String::from(" ");
+        let mut text = String::new();
         for ((cell, (_, left)), width) in cells.zip(&cols).zip(&widths) {
             let pad = " ".repeat(width.saturating_sub(cell.chars().count()));
-            text.push(' ');
+            text.push_str("  ");
             if *left {
                 text.push_str(cell);
                 text.push_str(&pad);

@@ -239,7 +239,8 @@ impl Daemon {
             .into_iter()
             .filter_map(|(mut d, source)| {
                 let readers = open.iter().filter(|s| std::ptr::addr_eq(Arc::as_ptr(s.source()), Arc::as_ptr(&source)));
-                let (n, ring_bytes) = readers.fold((0u64, 0u64), |(n, b), s| (n + 1, b.saturating_add(s.ring().bytes())));
+                let (n, ring_bytes) =
+                    readers.fold((0u64, 0u64), |(n, b), s| (n + 1, b.saturating_add(s.ring().bytes())));
                 (d.streams, d.ring_bytes) = (n, ring_bytes);
                 (all || n > 0).then_some(d)
             })
@@ -272,7 +273,8 @@ impl Daemon {
     fn worker_status(&self) -> WorkerStatus {
         let now = Instant::now();
         let busy = crate::stream::worker_busy();
-        let oldest = lock(&self.load).front().copied().filter(|(t, _)| now.duration_since(*t) >= Duration::from_secs(1));
+        let oldest =
+            lock(&self.load).front().copied().filter(|(t, _)| now.duration_since(*t) >= Duration::from_secs(1));
         let (since, busy_before) = oldest.unwrap_or((self.started, Duration::ZERO));
         let window_s = now.duration_since(since).as_secs_f64();
         let threads = self.pool.current_num_threads() as f64;
@@ -524,16 +526,8 @@ async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: u64, mut st
         greeted: false,
         bad_releases: Throttle::default(),
     };
-    let client = ClientStatus {
-        id,
-        pid,
-        uid,
-        job: None,
-        streams: 0,
-        connected_s: 0.0,
-        wait_s: 0.0,
-        stall_percent: 0.0,
-    };
+    let client =
+        ClientStatus { id, pid, uid, job: None, streams: 0, connected_s: 0.0, wait_s: 0.0, stall_percent: 0.0 };
     lock(&daemon.clients).insert(id, client);
     lock(&daemon.connected).insert(id, Instant::now());
 
