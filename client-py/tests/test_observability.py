@@ -273,3 +273,24 @@ def test_status_watch_rejects_a_bad_interval(start_daemon) -> None:
     d = start_daemon()
     res = d.cli("status", "--watch", "0", check=False)
     assert res.returncode != 0 and "--watch" in res.stderr, res.stderr
+
+
+def test_status_watch_outlives_the_daemon(start_daemon) -> None:
+    d = start_daemon()
+    out = d.workdir / "watch.out"
+    with open(out, "wb") as f:
+        proc = subprocess.Popen(
+            [str(stoker_bin()), "status", "--watch", "0.2", "--json", "--socket", d.socket],
+            stdout=f, stderr=subprocess.PIPE, preexec_fn=_die_with_parent,
+        )
+    try:
+        assert poll(lambda: '"workers"' in out.read_text(), timeout=20), out.read_text()
+        d.stop()
+        # The daemon is gone: each frame says why, and the watch goes on asking.
+        errors = lambda: [ln for ln in out.read_text().splitlines() if '"error"' in ln]  # noqa: E731
+        assert poll(lambda: len(errors()) >= 2, timeout=20), out.read_text()
+        assert "no stoker daemon" in json.loads(errors()[-1])["error"], errors()
+        assert proc.poll() is None, "--watch exited when the daemon stopped"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(10)
