@@ -99,8 +99,8 @@ def client_kills(binary: str, work: Path, rounds: int) -> dict:
             p.wait()
         time.sleep(1.0)
         after = (*fds(d.proc.pid), rss_mb(d.proc.pid))
-        # The status query is a client itself.
-        clients = len(stoker_status(binary, d.socket)["clients"]) - 1
+        # (the status query does not list itself)
+        clients = len(stoker_status(binary, d.socket)["clients"])
         return {"rounds": rounds, "before": before, "after": after, "clients_after": clients,
                 "alive": d.proc.poll() is None}
 

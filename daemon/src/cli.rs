@@ -29,9 +29,14 @@ enum Command {
         /// Socket to listen on (overrides the config).
         #[arg(long, short)]
         socket: Option<PathBuf>,
-        /// Log level: error, warn, info, debug, trace (default $STOKER_LOG or info).
-        #[arg(long)]
+        /// Log filter: a level (error, warn, info, debug, trace) or directives such as
+        /// `info,stoker_daemon::server=debug` (default $STOKER_LOG, else $RUST_LOG, else info).
+        #[arg(long, value_name = "FILTER")]
         log_level: Option<String>,
+        /// Log format: `text` (without timestamps or colours under systemd, whose journal adds its own) or
+        /// `json` (one object per line).
+        #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+        log_format: LogFormat,
     },
     /// Check a config file and print what the daemon would run with.
     Validate {
@@ -56,6 +61,9 @@ enum Command {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Redraw every SECONDS (2 if not given) until Ctrl-C; with --json, one JSON object per line.
+        #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "2")]
+        watch: Option<f64>,
     },
     /// List the datasets named in the running daemon's config.
     Datasets {
@@ -65,6 +73,15 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// How `stoker serve` writes its log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line, fields under `fields`.
+    Json,
 }
 
 /// Which daemon a client subcommand talks to.
@@ -92,7 +109,9 @@ impl Target {
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Serve { config, socket, log_level } => serve(config.as_deref(), socket, log_level),
+        Command::Serve { config, socket, log_level, log_format } => {
+            serve(config.as_deref(), socket, log_level, log_format)
+        }
         Command::Validate { file } => {
             let settings = Config::load(&file)?.validate(&file)?;
             println!("{} is valid", file.display());
@@ -121,15 +140,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Status { target, json } => {
-            let report = target.connect()?.status()?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                print!("{}", format_status(&report));
-            }
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Status { target, json, watch } => status(&target, json, watch),
         Command::Datasets { target, json } => {
             let list = target.connect()?.datasets()?;
             if json {
@@ -147,15 +158,13 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
-fn serve(config: Option<&Path>, socket: Option<PathBuf>, log_level: Option<String>) -> anyhow::Result<ExitCode> {
-    let level = log_level.or_else(|| std::env::var("STOKER_LOG").ok()).unwrap_or_else(|| "info".into());
-    let level: tracing::Level = level.parse().with_context(|| format!("invalid log level {level:?}"))?;
-    use std::io::IsTerminal;
-    tracing_subscriber::fmt()
-        .with_max_level(level)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr)
-        .init();
+fn serve(
+    config: Option<&Path>,
+    socket: Option<PathBuf>,
+    log_level: Option<String>,
+    log_format: LogFormat,
+) -> anyhow::Result<ExitCode> {
+    init_logging(log_level, log_format)?;
 
     let (cfg, path) = match config {
         Some(p) => (Config::load(p)?, Some(p.to_owned())),
@@ -206,6 +215,45 @@ fn serve(config: Option<&Path>, socket: Option<PathBuf>, log_level: Option<Strin
     result?;
     tracing::info!("stopped");
     Ok(ExitCode::SUCCESS)
+}
+
+/// Installs the log subscriber: `filter` (else `$STOKER_LOG`, else
+/// `$RUST_LOG`, else `info`) in `RUST_LOG` syntax, written to stderr as text
+/// or JSON. Under systemd (`$JOURNAL_STREAM` or `$INVOCATION_ID` set) text
+/// lines carry neither timestamps nor colours: the journal stamps each line itself.
+fn init_logging(filter: Option<String>, format: LogFormat) -> anyhow::Result<()> {
+    use std::io::IsTerminal;
+    let directives = filter
+        .or_else(|| std::env::var("STOKER_LOG").ok())
+        .or_else(|| std::env::var("RUST_LOG").ok())
+        .filter(|d| !d.trim().is_empty())
+        .unwrap_or_else(|| "info".into());
+    let filter = parse_log_filter(&directives)?;
+    let journald = std::env::var_os("JOURNAL_STREAM").is_some() || std::env::var_os("INVOCATION_ID").is_some();
+    let log = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => log.json().init(),
+        LogFormat::Text if journald => log.without_time().with_ansi(false).init(),
+        LogFormat::Text => log.with_ansi(std::io::stderr().is_terminal()).init(),
+    }
+    Ok(())
+}
+
+/// A `RUST_LOG`-style filter. A bare word is a level, or a target of ours
+/// (`stoker_daemon`): anything else is a typo that would silence the log.
+fn parse_log_filter(directives: &str) -> anyhow::Result<tracing_subscriber::EnvFilter> {
+    const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
+    let hint = "give a level (error, warn, info, debug, trace) or directives such as \
+                `info,stoker_daemon::server=debug`";
+    for d in directives.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        let bare = !d.contains(['=', '[', ':']);
+        if bare && !LEVELS.contains(&d.to_ascii_lowercase().as_str()) && !d.starts_with("stoker") {
+            anyhow::bail!("invalid log filter {directives:?}: {d:?} is not a level; {hint}");
+        }
+    }
+    tracing_subscriber::EnvFilter::builder()
+        .parse(directives)
+        .with_context(|| format!("invalid log filter {directives:?}; {hint}"))
 }
 
 use sd_notify::NotifyState;
@@ -285,72 +333,251 @@ async fn shutdown_signal() -> crate::server::Shutdown {
     how
 }
 
-/// The human-readable `stoker status` table.
-pub fn format_status(r: &StatusReport) -> String {
+/// `stoker status`: one report, or (`watch`) a redraw every so many seconds until Ctrl-C.
+fn status(target: &Target, json: bool, watch: Option<f64>) -> anyhow::Result<ExitCode> {
+    let mut users = Users::default();
+    let Some(every) = watch else {
+        let report = target.connect()?.status()?;
+        if json {
+            println!("{}", serde_json::to_string_pretty(&report)?);
+        } else {
+            print!("{}", format_status(&report, &users.names(&report)));
+        }
+        return Ok(ExitCode::SUCCESS);
+    };
+    if !(every.is_finite() && every >= 0.05) {
+        anyhow::bail!("--watch takes an interval in seconds of at least 0.05, not {every}");
+    }
+    use std::io::Write;
+    let mut client: Option<Client> = None;
+    loop {
+        let report = match client.take() {
+            Some(c) => Ok(c),
+            None => target.connect(),
+        }
+        .and_then(|c| {
+            let report = c.status()?;
+            client = Some(c);
+            Ok(report)
+        });
+        let mut out = std::io::stdout().lock();
+        // A daemon restarting or not yet up is shown, and asked again next round.
+        match (report, json) {
+            (Ok(r), true) => writeln!(out, "{}", serde_json::to_string(&r)?)?,
+            (Ok(r), false) => write!(
+                out,
+                "\x1b[H\x1b[2J{}every {every} s, Ctrl-C to stop\n\n{}",
+                clock_utc(),
+                format_status(&r, &users.names(&r))
+            )?,
+            (Err(e), true) => writeln!(out, "{}", serde_json::json!({ "error": format!("{e:#}") }))?,
+            (Err(e), false) => write!(out, "\x1b[H\x1b[2J{}every {every} s, Ctrl-C to stop\n\n{e:#}\n", clock_utc())?,
+        }
+        out.flush()?;
+        drop(out);
+        std::thread::sleep(std::time::Duration::from_secs_f64(every));
+    }
+}
+
+/// The wall-clock time of day (UTC) as `HH:MM:SS  `, for the top of a `--watch` frame.
+fn clock_utc() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    format!("{:02}:{:02}:{:02} UTC  ", secs / 3600 % 24, secs / 60 % 60, secs % 60)
+}
+
+/// User names by uid, looked up once each: `/etc/passwd`, then `getent passwd`
+/// (LDAP or SSSD users on a cluster), else the number.
+#[derive(Debug, Default)]
+struct Users(std::collections::HashMap<u32, String>);
+
+impl Users {
+    /// The names of the users in `report`.
+    fn names(&mut self, report: &StatusReport) -> std::collections::HashMap<u32, String> {
+        for c in &report.clients {
+            self.0.entry(c.uid).or_insert_with(|| user_name(c.uid).unwrap_or_else(|| c.uid.to_string()));
+        }
+        self.0.clone()
+    }
+}
+
+/// The login name of `uid`, if the password database knows it.
+fn user_name(uid: u32) -> Option<String> {
+    let from_passwd = |text: &str| {
+        text.lines().find_map(|line| {
+            let mut parts = line.split(':');
+            let name = parts.next()?;
+            (parts.nth(1)?.parse() == Ok(uid)).then(|| name.to_string())
+        })
+    };
+    if let Some(name) = std::fs::read_to_string("/etc/passwd").ok().as_deref().and_then(from_passwd) {
+        return Some(name);
+    }
+    // A name service that hangs must not hang `status`: give getent two seconds.
+    let mut child = std::process::Command::new("getent")
+        .args(["passwd", &uid.to_string()])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    while child.try_wait().ok()?.is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut child.stdout.take()?, &mut text).ok()?;
+    from_passwd(&text)
+}
+
+/// The human-readable `stoker status` report; `users` names uids (others show as numbers).
+pub fn format_status(r: &StatusReport, users: &std::collections::HashMap<u32, String>) -> String {
     use std::fmt::Write;
     let mut out = String::new();
+    let _ = writeln!(out, "stoker {} (pid {}), up {}", r.version, r.pid, human_duration(r.uptime_s));
+    let w = &r.workers;
     let _ = writeln!(
         out,
-        "stoker {} (pid {}), up {}, {} worker threads",
-        r.version,
-        r.pid,
-        human_duration(r.uptime_s),
-        r.worker_threads
+        "workers: {} threads, {:.0}% busy over the last {} ({:.3} s busy since start)",
+        r.worker_threads,
+        w.busy_percent,
+        human_duration(w.window_s),
+        w.busy_s
     );
     let c = &r.chunk_cache;
     let lookups = c.hits + c.misses;
     let _ = writeln!(
         out,
-        "chunk cache: {:.1} / {:.1} MB, {} chunks, hit rate {}",
-        c.bytes as f64 / 1e6,
-        c.capacity as f64 / 1e6,
+        "chunk cache: {} of {}, {} chunks, hit rate {}",
+        human_bytes(c.bytes),
+        human_bytes(c.capacity),
         c.entries,
         if lookups == 0 { "-".to_string() } else { format!("{:.1}%", 100.0 * c.hits as f64 / lookups as f64) }
     );
-    for s in &r.skipped {
-        let _ = writeln!(out, "dataset {}: {} bad samples skipped (see the daemon's log)", s.dataset, s.skipped);
-    }
+    let ring_bytes: u64 = r.datasets.iter().map(|d| d.ring_bytes).sum();
+    let ring_streams: u64 = r.datasets.iter().map(|d| d.streams).sum();
+    let _ = writeln!(out, "shared memory: {} in the rings of {ring_streams} streams", human_bytes(ring_bytes));
+
+    let _ = writeln!(out, "\ndatasets open: {}", r.datasets.len());
+    let rows = r.datasets.iter().map(|d| {
+        vec![
+            shorten(&d.dataset, 40),
+            d.format.clone(),
+            d.files.to_string(),
+            human_bytes(d.bytes),
+            d.samples.to_string(),
+            d.streams.to_string(),
+            human_bytes(d.ring_bytes),
+            d.skipped.to_string(),
+        ]
+    });
+    let headers = ["<dataset", "<format", "files", "on disk", "samples", "streams", "ring memory", "skipped"];
+    table(&mut out, &headers, rows);
+
     let _ = writeln!(out, "\nclients: {}", r.clients.len());
-    if !r.clients.is_empty() {
-        let _ = writeln!(out, "  {:>4} {:>8} {:>6} {:>7} {:>10}", "id", "pid", "uid", "streams", "connected");
-        for c in &r.clients {
-            let _ = writeln!(
-                out,
-                "  {:>4} {:>8} {:>6} {:>7} {:>10}",
-                c.id,
-                c.pid,
-                c.uid,
-                c.streams,
-                human_duration(c.connected_s)
-            );
-        }
-    }
+    let rows = r.clients.iter().map(|c| {
+        vec![
+            c.id.to_string(),
+            users.get(&c.uid).cloned().unwrap_or_else(|| c.uid.to_string()),
+            c.pid.to_string(),
+            c.job.clone().unwrap_or_else(|| "-".into()),
+            c.streams.to_string(),
+            human_duration(c.connected_s),
+            format!("{:.1}%", c.stall_percent),
+        ]
+    });
+    table(&mut out, &["id", "<user", "pid", "<slurm job", "streams", "connected", "data stall"], rows);
+
     let _ = writeln!(out, "\nstreams: {}", r.streams.len());
-    if !r.streams.is_empty() {
-        let _ = writeln!(
-            out,
-            "  {:>4} {:>8} {:<24} {:>5} {:>5} {:>11} {:>9} {:>9} {:>8} {:>11}",
-            "id", "pid", "dataset", "rank", "epoch", "step", "batch/s", "MB/s", "wait s", "ring f/l/d"
-        );
-        for s in &r.streams {
-            let dataset = shorten(&s.dataset, 24);
-            let _ = writeln!(
-                out,
-                "  {:>4} {:>8} {:<24} {:>5} {:>5} {:>11} {:>9.1} {:>9.1} {:>8.2} {:>11}",
-                s.id,
-                s.pid,
-                dataset,
-                format!("{}/{}", s.rank, s.world_size),
-                s.epoch,
-                format!("{}/{}", s.step, s.batches_per_epoch),
-                s.batches_per_s,
-                s.mb_per_s,
-                s.wait_s,
-                format!("{}/{}/{}", s.slots_filled, s.slots_leased, s.depth)
-            );
-        }
-    }
+    let rows = r.streams.iter().map(|s| {
+        vec![
+            s.id.to_string(),
+            s.client_id.to_string(),
+            s.pid.to_string(),
+            shorten(&s.dataset, 24),
+            format!("{}/{}", s.rank, s.world_size),
+            s.epoch.to_string(),
+            format!("{}/{}", s.step, s.batches_per_epoch),
+            format!("{:.1}", s.batches_per_s),
+            format!("{:.1}", s.mb_per_s),
+            format!("{:.1}%", s.stall_percent),
+            s.slots_filled.to_string(),
+            s.slots_leased.to_string(),
+            s.depth.to_string(),
+        ]
+    });
+    let headers = [
+        "id",
+        "client",
+        "pid",
+        "<dataset",
+        "rank",
+        "epoch",
+        "step",
+        "batches/s",
+        "MB/s",
+        "data stall",
+        "ring filled",
+        "ring leased",
+        "ring depth",
+    ];
+    table(&mut out, &headers, rows);
     out
+}
+
+/// Writes an indented table: each column as wide as its widest cell; a header
+/// starting with `<` marks a left-aligned column (numbers align right). Nothing
+/// when there are no rows.
+fn table(out: &mut String, headers: &[&str], rows: impl Iterator<Item = Vec<String>>) {
+    let rows: Vec<Vec<String>> = rows.collect();
+    if rows.is_empty() {
+        return;
+    }
+    let cols: Vec<(&str, bool)> =
+        headers.iter().map(|h| h.strip_prefix('<').map_or((*h, false), |h| (h, true))).collect();
+    let widths: Vec<usize> = cols
+        .iter()
+        .enumerate()
+        .map(|(i, (h, _))| {
+            rows.iter().filter_map(|r| r.get(i)).map(|c| c.chars().count()).chain([h.len()]).max().unwrap_or(0)
+        })
+        .collect();
+    let mut line = |cells: &mut dyn Iterator<Item = &str>| {
+        let mut text = String::new();
+        for ((cell, (_, left)), width) in cells.zip(&cols).zip(&widths) {
+            let pad = " ".repeat(width.saturating_sub(cell.chars().count()));
+            text.push_str("  ");
+            if *left {
+                text.push_str(cell);
+                text.push_str(&pad);
+            } else {
+                text.push_str(&pad);
+                text.push_str(cell);
+            }
+        }
+        out.push_str(text.trim_end());
+        out.push('\n');
+    };
+    line(&mut cols.iter().map(|(h, _)| *h));
+    for row in &rows {
+        line(&mut row.iter().map(String::as_str));
+    }
+}
+
+/// Bytes in decimal units (`1.2 MB`).
+fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "kB", "MB", "GB", "TB", "PB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1000.0 && unit + 1 < UNITS.len() {
+        value /= 1000.0;
+        unit += 1;
+    }
+    if unit == 0 { format!("{bytes} B") } else { format!("{value:.1} {}", UNITS[unit]) }
 }
 
 /// `text` cut to its last `width - 1` characters behind an ellipsis when longer than `width`.
@@ -375,6 +602,97 @@ fn human_duration(secs: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn report() -> StatusReport {
+        use stoker_proto::{CacheStatus, ClientStatus, DatasetStatus, StreamStatus, WorkerStatus};
+        StatusReport {
+            version: "0.1.0".into(),
+            pid: 10,
+            uptime_s: 75.0,
+            worker_threads: 4,
+            clients: vec![ClientStatus {
+                id: 3,
+                pid: 4321,
+                uid: 1000,
+                job: Some("987654".into()),
+                streams: 1,
+                connected_s: 60.0,
+                wait_s: 6.0,
+                stall_percent: 10.0,
+            }],
+            streams: vec![StreamStatus {
+                id: 5,
+                client_id: 3,
+                pid: 4321,
+                dataset: "train".into(),
+                rank: 0,
+                world_size: 2,
+                epoch: 1,
+                step: 7,
+                batches_per_epoch: 50,
+                batches: 57,
+                batches_per_s: 12.5,
+                mb_per_s: 100.0,
+                wait_s: 6.0,
+                open_s: 60.0,
+                stall_percent: 10.0,
+                slots_filled: 2,
+                slots_leased: 1,
+                depth: 4,
+            }],
+            chunk_cache: CacheStatus { bytes: 0, capacity: 1 << 20, entries: 0, hits: 0, misses: 0 },
+            skipped: vec![],
+            datasets: vec![DatasetStatus {
+                dataset: "train".into(),
+                format: "hdf5".into(),
+                files: 3,
+                bytes: 1_500_000,
+                samples: 100,
+                streams: 1,
+                ring_bytes: 4096,
+                skipped: 0,
+            }],
+            workers: WorkerStatus { busy_s: 30.0, busy_percent: 37.5, window_s: 10.0 },
+        }
+    }
+
+    #[test]
+    fn status_spells_out_its_columns_and_names_users() {
+        let users = [(1000, "alice".to_string())].into_iter().collect();
+        let text = format_status(&report(), &users);
+        for needle in ["ring filled", "ring leased", "ring depth", "data stall", "slurm job", "alice", "987654"] {
+            assert!(text.contains(needle), "{needle} missing from:\n{text}");
+        }
+        assert!(!text.contains("f/l/d"), "{text}");
+        assert!(text.contains("38% busy over the last 10.0s"), "{text}");
+        assert!(text.contains("1.5 MB"), "{text}");
+        // Columns line up: every cell ends where its header ends (numbers align right).
+        let lines: Vec<&str> = text.lines().collect();
+        let header = lines.iter().position(|l| l.contains("ring depth")).unwrap();
+        assert_eq!(lines[header].len(), lines[header + 1].len(), "{text}");
+        assert!(lines[header + 1].ends_with(" 4"), "{text}");
+        // Without a name the number is shown.
+        let text = format_status(&report(), &Default::default());
+        assert!(text.contains(" 1000 "), "{text}");
+    }
+
+    #[test]
+    fn log_filters_take_levels_and_directives_and_refuse_typos() {
+        for ok in ["info", "WARN", "warn,stoker_daemon::server=debug", "stoker_daemon=trace", "off"] {
+            assert!(parse_log_filter(ok).is_ok(), "{ok}");
+        }
+        for bad in ["infoo", "verbose", "info,stoker_daemon=loud"] {
+            let err = format!("{:#}", parse_log_filter(bad).unwrap_err());
+            assert!(err.contains("invalid log filter") && err.contains(bad), "{err}");
+        }
+    }
+
+    #[test]
+    fn user_names_come_from_the_password_database() {
+        assert_eq!(user_name(0).as_deref(), Some("root"));
+        assert_eq!(human_bytes(999), "999 B");
+        assert_eq!(human_bytes(1_234_567), "1.2 MB");
+    }
 
     #[test]
     fn shorten_cuts_at_characters_not_bytes() {

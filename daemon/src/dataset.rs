@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
-use stoker_proto::{DatasetInfo, DatasetRef, ErrorKind, LmdbDataset, TransformDef};
+use stoker_proto::{DatasetInfo, DatasetRef, DatasetStatus, ErrorKind, LmdbDataset, TransformDef};
 
 use crate::cache::ChunkCache;
 use crate::codec::{Codec, RawLayout};
@@ -204,6 +204,30 @@ impl Datasets {
             .map(|e| (e.opened.label.clone(), e.opened.source.skipped()))
             .filter(|(_, n)| *n > 0)
             .collect()
+    }
+
+    /// Every open dataset with its files, their size on disk and its source
+    /// (to match streams by); `streams` and `ring_bytes` are left for the caller.
+    pub fn status(&self) -> Vec<(DatasetStatus, Arc<dyn Source>)> {
+        let open = self.lock();
+        let mut list: Vec<_> = open
+            .iter()
+            .map(|(key, e)| {
+                let status = DatasetStatus {
+                    dataset: e.opened.label.clone(),
+                    format: key.split(' ').next().unwrap_or_default().to_string(),
+                    files: e.ids.len() as u64,
+                    bytes: e.ids.iter().map(|id| id.size).sum(),
+                    samples: e.opened.source.len(),
+                    streams: 0,
+                    ring_bytes: 0,
+                    skipped: e.opened.source.skipped(),
+                };
+                (status, e.opened.source.clone())
+            })
+            .collect();
+        list.sort_by(|a, b| a.0.dataset.cmp(&b.0.dataset));
+        list
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
 use stoker_proto::{
     BatchLayout, CacheStatus, ClientStatus, DatasetInfo, DatasetSkips, ErrorKind, OpenStream, Request, Response,
-    StatusReport, StreamInfo,
+    StatusReport, StreamInfo, WorkerStatus,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
@@ -65,6 +65,27 @@ pub struct Daemon {
     next_id: AtomicU64,
     own_uid: u32,
     metrics: crate::metrics::Metrics,
+    /// Worker busy time sampled once a second, for utilisation over a window.
+    load: Arc<Mutex<VecDeque<(Instant, Duration)>>>,
+}
+
+/// Span over which `stoker status` reports worker utilisation.
+const LOAD_WINDOW: Duration = Duration::from_secs(10);
+
+/// Samples [`crate::stream::worker_busy`] once a second into `load` until the daemon is gone.
+fn sample_load(load: std::sync::Weak<Mutex<VecDeque<(Instant, Duration)>>>) {
+    while let Some(load) = load.upgrade() {
+        {
+            let mut samples = lock(&load);
+            let now = Instant::now();
+            samples.push_back((now, crate::stream::worker_busy()));
+            while samples.front().is_some_and(|(t, _)| now.duration_since(*t) > LOAD_WINDOW) {
+                samples.pop_front();
+            }
+        }
+        drop(load);
+        std::thread::sleep(Duration::from_secs(1));
+    }
 }
 
 impl Daemon {
@@ -76,6 +97,11 @@ impl Daemon {
             .build()?;
         let chunk_cache = Arc::new(ChunkCache::new(settings.chunk_cache_bytes as usize));
         let datasets = Datasets::new(settings.clone(), chunk_cache.clone());
+        let load = Arc::new(Mutex::new(VecDeque::new()));
+        let weak = Arc::downgrade(&load);
+        if let Err(e) = std::thread::Builder::new().name("stoker-load".into()).spawn(move || sample_load(weak)) {
+            tracing::warn!(error = %e, "cannot start the load sampler: `stoker status` shows utilisation since start");
+        }
         Ok(Arc::new(Daemon {
             settings: RwLock::new(Arc::new(settings)),
             started: Instant::now(),
@@ -89,6 +115,7 @@ impl Daemon {
             next_id: AtomicU64::new(1),
             own_uid: rustix::process::getuid().as_raw(),
             metrics: crate::metrics::Metrics::default(),
+            load,
         }))
     }
 
@@ -181,21 +208,44 @@ impl Daemon {
     }
 
     /// The status report as `viewer` may see it: root and the daemon's uid see
-    /// everything, other users only their own clients and streams.
-    fn status(&self, viewer: u32) -> StatusReport {
+    /// everything, other users only their own clients, streams and datasets.
+    /// The connection asking (`asker`) is not listed unless it has streams
+    /// open: a status query is not a client.
+    fn status(&self, viewer: u32, asker: u64) -> StatusReport {
         let all = viewer == 0 || viewer == self.own_uid;
         let visible: HashMap<u64, u32> =
             lock(&self.clients).values().filter(|c| all || c.uid == viewer).map(|c| (c.id, c.uid)).collect();
-        let streams: Vec<_> =
-            lock(&self.streams).values().map(|s| s.status()).filter(|s| visible.contains_key(&s.client_id)).collect();
+        let open: Vec<Arc<Stream>> =
+            lock(&self.streams).values().filter(|s| visible.contains_key(&s.meta().client_id)).cloned().collect();
+        let streams: Vec<_> = open.iter().map(|s| s.status()).collect();
         let connected = lock(&self.connected).clone();
         let clients = lock(&self.clients)
             .values()
             .filter(|c| visible.contains_key(&c.id))
-            .map(|c| ClientStatus {
-                streams: streams.iter().filter(|s| s.client_id == c.id).count() as u64,
-                connected_s: connected.get(&c.id).map_or(0.0, |t| t.elapsed().as_secs_f64()),
-                ..c.clone()
+            .filter(|c| c.id != asker || streams.iter().any(|s| s.client_id == asker))
+            .map(|c| {
+                let own = || streams.iter().filter(|s| s.client_id == c.id);
+                let connected_s = connected.get(&c.id).map_or(0.0, |t| t.elapsed().as_secs_f64());
+                let wait_s = own().map(|s| s.wait_s).sum();
+                ClientStatus {
+                    streams: own().count() as u64,
+                    connected_s,
+                    wait_s,
+                    stall_percent: crate::stream::percent(wait_s, connected_s),
+                    ..c.clone()
+                }
+            })
+            .collect();
+        let datasets = self
+            .datasets
+            .status()
+            .into_iter()
+            .filter_map(|(mut d, source)| {
+                let readers = open.iter().filter(|s| std::ptr::addr_eq(Arc::as_ptr(s.source()), Arc::as_ptr(&source)));
+                let (n, ring_bytes) =
+                    readers.fold((0u64, 0u64), |(n, b), s| (n + 1, b.saturating_add(s.ring().bytes())));
+                (d.streams, d.ring_bytes) = (n, ring_bytes);
+                (all || n > 0).then_some(d)
             })
             .collect();
         let visible_datasets: std::collections::HashSet<&str> = streams.iter().map(|s| s.dataset.as_str()).collect();
@@ -216,7 +266,25 @@ impl Daemon {
                 .filter(|(dataset, _)| all || visible_datasets.contains(dataset.as_str()))
                 .map(|(dataset, skipped)| DatasetSkips { dataset, skipped })
                 .collect(),
+            datasets,
+            workers: self.worker_status(),
             streams,
+        }
+    }
+
+    /// Worker utilisation over the last [`LOAD_WINDOW`] (since start until a sample is a second old).
+    fn worker_status(&self) -> WorkerStatus {
+        let now = Instant::now();
+        let busy = crate::stream::worker_busy();
+        let oldest =
+            lock(&self.load).front().copied().filter(|(t, _)| now.duration_since(*t) >= Duration::from_secs(1));
+        let (since, busy_before) = oldest.unwrap_or((self.started, Duration::ZERO));
+        let window_s = now.duration_since(since).as_secs_f64();
+        let threads = self.pool.current_num_threads() as f64;
+        WorkerStatus {
+            busy_s: busy.as_secs_f64(),
+            busy_percent: crate::stream::percent(busy.saturating_sub(busy_before).as_secs_f64(), window_s * threads),
+            window_s,
         }
     }
 
@@ -473,7 +541,9 @@ async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: u64, mut st
         greeted: false,
         bad_releases: Throttle::default(),
     };
-    lock(&daemon.clients).insert(id, ClientStatus { id, pid, uid, streams: 0, connected_s: 0.0 });
+    let client =
+        ClientStatus { id, pid, uid, job: None, streams: 0, connected_s: 0.0, wait_s: 0.0, stall_percent: 0.0 };
+    lock(&daemon.clients).insert(id, client);
     lock(&daemon.connected).insert(id, Instant::now());
 
     let (tx, mut frames) = mpsc::channel(MAX_BACKLOG);
@@ -649,6 +719,9 @@ impl Connection {
                 }
                 let job = job.filter(|j| j.len() <= 64 && j.chars().all(|c| c.is_ascii_graphic()));
                 tracing::info!(uid = self.uid, pid = self.pid, job = job.as_deref().unwrap_or("-"), client = %client.escape_debug(), "connected");
+                if let Some(c) = lock(&self.daemon.clients).get_mut(&self.id) {
+                    c.job.clone_from(&job);
+                }
                 self.job = job;
                 self.greeted = true;
                 Response::Hello {
@@ -686,7 +759,7 @@ impl Connection {
                 },
                 None => no_stream(stream),
             },
-            Request::Status => Response::Status(self.daemon.status(self.uid)),
+            Request::Status => Response::Status(self.daemon.status(self.uid, self.id)),
             Request::Datasets => Response::Datasets(self.daemon.datasets()),
             Request::Close { stream } => match self.streams.remove(&stream) {
                 Some(s) => {

@@ -18,7 +18,7 @@
 use std::any::Any;
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -34,6 +34,25 @@ use crate::source::{SampleRef, Source};
 const MIN_ROWS_PER_TASK: u64 = 8;
 /// Window over which `stoker status` computes rates.
 const RATE_WINDOW: Duration = Duration::from_secs(5);
+
+/// Nanoseconds worker threads spent filling batches, summed over threads (the
+/// process has one worker pool, the daemon's).
+static WORKER_BUSY_NS: AtomicU64 = AtomicU64::new(0);
+
+/// Time worker threads spent filling batches since the process started, summed over threads.
+pub fn worker_busy() -> Duration {
+    Duration::from_nanos(WORKER_BUSY_NS.load(Ordering::Relaxed))
+}
+
+/// Adds the time from its creation to its drop to [`WORKER_BUSY_NS`].
+struct Busy(Instant);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        let ns = u64::try_from(self.0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        WORKER_BUSY_NS.fetch_add(ns, Ordering::Relaxed);
+    }
+}
 
 /// Who owns a stream and what it reads.
 #[derive(Debug, Clone)]
@@ -65,6 +84,7 @@ pub struct Stream {
     state: Mutex<State>,
     /// Woken whenever a slot changes state.
     changed: tokio::sync::Notify,
+    opened: Instant,
 }
 
 #[derive(Debug)]
@@ -81,6 +101,8 @@ struct State {
     delivered: u64,
     bytes_delivered: u64,
     wait: Duration,
+    /// Since when the client's `Next` has waited, while it waits.
+    waiting_since: Option<Instant>,
     recent: VecDeque<(Instant, u64)>,
 }
 
@@ -144,9 +166,11 @@ impl Stream {
                 delivered: 0,
                 bytes_delivered: 0,
                 wait: Duration::ZERO,
+                waiting_since: None,
                 recent: VecDeque::new(),
             }),
             changed: tokio::sync::Notify::new(),
+            opened: Instant::now(),
         });
         let mut st = stream.lock();
         stream.fill(&mut st);
@@ -159,6 +183,11 @@ impl Stream {
         &self.meta
     }
 
+    /// The dataset it reads.
+    pub fn source(&self) -> &Arc<dyn Source> {
+        &self.source
+    }
+
     /// The ring (its fd is sent to the client).
     pub fn ring(&self) -> &Arc<Ring> {
         &self.ring
@@ -167,11 +196,6 @@ impl Stream {
     /// Where fields lie in each slot.
     pub fn layout(&self) -> &BatchLayout {
         self.ring.layout()
-    }
-
-    /// The dataset it reads.
-    pub fn source(&self) -> &Arc<dyn Source> {
-        &self.source
     }
 
     /// Sample bytes delivered so far (for metrics).
@@ -209,6 +233,7 @@ impl Stream {
 
     fn poll_next(self: &Arc<Self>, waiting_since: Option<Instant>) -> Option<Delivery> {
         let mut st = self.lock();
+        st.waiting_since = None;
         if st.closed {
             return Some(Delivery::Closed);
         }
@@ -228,6 +253,7 @@ impl Stream {
             if st.slots.iter().all(|s| *s == Slot::Leased) {
                 return Some(Delivery::Exhausted(self.ring.depth()));
             }
+            st.waiting_since = Some(waiting_since.unwrap_or_else(Instant::now));
             return None;
         };
         let Slot::Ready { rows, error, .. } = std::mem::replace(&mut st.slots[slot], Slot::Leased) else {
@@ -368,6 +394,7 @@ impl Stream {
         let busy = AtomicU64::new(0);
         writer.split(parts, MIN_ROWS_PER_TASK).into_par_iter().for_each(|mut part| {
             let _timer = crate::metrics::Timer::new(&busy);
+            let _busy = Busy(Instant::now());
             for row in part.rows() {
                 let index = self.sampler.index(perm.as_ref(), step, row);
                 let sample = SampleRef { index, seed, epoch };
@@ -434,6 +461,9 @@ impl Stream {
         let span = st.recent.front().map_or(0.0, |(t, _)| now.duration_since(*t).as_secs_f64()).max(1e-3);
         let (batches_per_s, mb_per_s) =
             if count < 2 { (0.0, 0.0) } else { (count as f64 / span, bytes as f64 / span / 1e6) };
+        // A wait still in progress counts: a client stuck right now is stalled.
+        let wait_s = (st.wait + st.waiting_since.map_or(Duration::ZERO, |t| now.duration_since(t))).as_secs_f64();
+        let open_s = now.duration_since(self.opened).as_secs_f64();
         StreamStatus {
             id: self.meta.id,
             client_id: self.meta.client_id,
@@ -447,7 +477,9 @@ impl Stream {
             batches: st.delivered,
             batches_per_s,
             mb_per_s,
-            wait_s: st.wait.as_secs_f64(),
+            wait_s,
+            open_s,
+            stall_percent: percent(wait_s, open_s),
             slots_filled: st
                 .slots
                 .iter()
@@ -457,6 +489,11 @@ impl Stream {
             depth: u64::from(self.ring.depth()),
         }
     }
+}
+
+/// `part` as a percentage of `whole` (0 when `whole` is not positive), at most 100.
+pub fn percent(part: f64, whole: f64) -> f64 {
+    if whole > 0.0 { (100.0 * part / whole).clamp(0.0, 100.0) } else { 0.0 }
 }
 
 /// The message a panic was raised with (`panic!("...")` gives a `&str` or a `String`).

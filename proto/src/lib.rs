@@ -16,12 +16,13 @@ pub use layout::{
     LayoutError, LayoutLimits, RING_HEADER_BYTES, RING_LAYOUT_VERSION, RING_MAGIC, Ragged, SLOT_ALIGN,
 };
 pub use message::{
-    BatchReady, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, DatasetSkips, ErrorKind, LmdbDataset, LmdbFieldDef,
-    OpenStream, PairDef, Request, Response, StatusReport, StreamInfo, StreamStatus, TransformDef,
+    BatchReady, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, DatasetSkips, DatasetStatus, ErrorKind,
+    LmdbDataset, LmdbFieldDef, OpenStream, PairDef, Request, Response, StatusReport, StreamInfo, StreamStatus,
+    TransformDef, WorkerStatus,
 };
 
 /// Version of the wire protocol; bumped on any incompatible change.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Socket path used when neither `--socket`, `$STOKER_SOCKET` nor a config says otherwise.
 pub const DEFAULT_SOCKET: &str = "/run/stoker/stoker.sock";

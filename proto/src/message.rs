@@ -343,6 +343,42 @@ pub struct StatusReport {
     pub chunk_cache: CacheStatus,
     /// Open datasets that substituted bad samples (`on_error = "skip"`).
     pub skipped: Vec<DatasetSkips>,
+    /// Datasets the daemon holds open (those no stream uses close after `[limits] idle_close_s`).
+    pub datasets: Vec<DatasetStatus>,
+    /// How busy the decode workers are.
+    pub workers: WorkerStatus,
+}
+
+/// Utilisation of the decode worker pool.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WorkerStatus {
+    /// Seconds the workers spent filling batches since the daemon started (summed over threads).
+    pub busy_s: f64,
+    /// Busy time over wall time × `worker_threads` in the last `window_s` seconds, in percent.
+    pub busy_percent: f64,
+    /// Seconds the utilisation was measured over (up to 10; less just after start).
+    pub window_s: f64,
+}
+
+/// A dataset the daemon holds open.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DatasetStatus {
+    /// Config name, or the ad-hoc path.
+    pub dataset: String,
+    /// `"hdf5"` or `"lmdb"`.
+    pub format: String,
+    /// Files it reads (HDF5 files; LMDB data files and key file).
+    pub files: u64,
+    /// Their size on disk in bytes.
+    pub bytes: u64,
+    /// Samples it holds.
+    pub samples: u64,
+    /// Open streams reading it.
+    pub streams: u64,
+    /// Shared memory of those streams' rings, in bytes.
+    pub ring_bytes: u64,
+    /// Samples substituted for bad ones since it was opened (`on_error = "skip"`).
+    pub skipped: u64,
 }
 
 /// Bad samples a dataset skipped.
@@ -378,10 +414,16 @@ pub struct ClientStatus {
     pub pid: u32,
     /// Peer uid from `SO_PEERCRED`.
     pub uid: u32,
+    /// The batch job it runs in (`$SLURM_JOB_ID`, from its `Hello`).
+    pub job: Option<String>,
     /// Streams the client has open.
     pub streams: u64,
     /// Seconds since it connected.
     pub connected_s: f64,
+    /// Seconds its open streams kept it waiting for a batch that was not ready.
+    pub wait_s: f64,
+    /// `wait_s` as a percentage of `connected_s`: how much of its time the client was starved of data.
+    pub stall_percent: f64,
 }
 
 /// One open stream.
@@ -413,6 +455,10 @@ pub struct StreamStatus {
     pub mb_per_s: f64,
     /// Total seconds the client spent waiting for a batch that was not ready yet.
     pub wait_s: f64,
+    /// Seconds since the stream opened.
+    pub open_s: f64,
+    /// `wait_s` as a percentage of `open_s`.
+    pub stall_percent: f64,
     /// Slots filled and waiting for the client.
     pub slots_filled: u64,
     /// Slots held by the client.
