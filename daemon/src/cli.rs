@@ -38,10 +38,14 @@ enum Command {
         /// Config file.
         file: PathBuf,
     },
-    /// Describe an HDF5 file or an LMDB environment and suggest a dataset config.
+    /// Describe an HDF5 file or LMDB environments and suggest a dataset config
+    /// that `stoker validate` accepts as printed.
     Inspect {
-        /// An HDF5 file, or an LMDB environment (directory with data.mdb, or its data file).
-        file: PathBuf,
+        /// HDF5 files (each described on its own), or LMDB environments
+        /// (directories with data.mdb, or their data files) that make one dataset together,
+        /// e.g. the LR and HR environments of a super-resolution set.
+        #[arg(required = true)]
+        file: Vec<PathBuf>,
         /// LMDB: values decoded to learn formats and shapes.
         #[arg(long, default_value_t = 64)]
         probe: usize,
@@ -93,31 +97,46 @@ impl Target {
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Serve { config, socket, log_level } => serve(config.as_deref(), socket, log_level),
-        Command::Validate { file } => {
-            let settings = Config::load(&file)?.validate(&file)?;
-            println!("{} is valid", file.display());
-            println!("  socket          {}", settings.socket.display());
-            println!("  worker threads  {}", settings.worker_threads);
-            println!("  ring depth      {}", settings.ring_depth);
-            println!("  allowed roots   {:?}", settings.allowed_roots);
-            println!("  datasets        {:?}", settings.datasets.keys().collect::<Vec<_>>());
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Inspect { file, json, probe } if crate::inspect::is_lmdb(&file) => {
-            let scan = crate::inspect::inspect_lmdb(&file, probe)?;
+        Command::Validate { file } => validate(&file),
+        Command::Inspect { file, json, probe } if file.iter().all(|f| crate::inspect::is_lmdb(f)) => {
+            let envs = crate::inspect::inspect_lmdb(&file, probe)?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&scan)?);
+                println!("{}", serde_json::to_string_pretty(&envs)?);
             } else {
-                print!("{}", crate::inspect::format_lmdb_report(&file, &scan));
+                print!("{}", crate::inspect::format_lmdb_report(&envs));
             }
             Ok(ExitCode::SUCCESS)
         }
         Command::Inspect { file, json, .. } => {
-            let reports = crate::inspect::inspect(&file)?;
+            if let Some(env) = file.iter().find(|f| crate::inspect::is_lmdb(f)) {
+                anyhow::bail!(
+                    "{} is an LMDB environment and the others are not: inspect HDF5 files and LMDB environments \
+                     separately",
+                    env.display()
+                );
+            }
+            let mut all = Vec::with_capacity(file.len());
+            for f in &file {
+                all.push((f, crate::inspect::inspect(f)?));
+            }
             if json {
-                println!("{}", serde_json::to_string_pretty(&reports)?);
+                match all.as_slice() {
+                    [(_, reports)] => println!("{}", serde_json::to_string_pretty(reports)?),
+                    _ => {
+                        let by_file: Vec<_> = all
+                            .iter()
+                            .map(|(f, r)| serde_json::json!({ "file": f.display().to_string(), "datasets": r }))
+                            .collect();
+                        println!("{}", serde_json::to_string_pretty(&by_file)?);
+                    }
+                }
             } else {
-                print!("{}", crate::inspect::format_report(&file, &reports));
+                for (i, (f, reports)) in all.iter().enumerate() {
+                    if i > 0 {
+                        println!();
+                    }
+                    print!("{}", crate::inspect::format_report(f, reports));
+                }
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -145,6 +164,40 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// `stoker validate FILE`: parses the config (a TOML error stops there: it
+/// has one line), then reports every problem in its values and in the named
+/// datasets' files, each with its line, and exits 1 when there are any.
+fn validate(file: &Path) -> anyhow::Result<ExitCode> {
+    let text = std::fs::read_to_string(file).with_context(|| format!("cannot read config {}", file.display()))?;
+    let config = Config::parse(&text, file)?;
+    let (settings, problems) = match config.check() {
+        Ok(settings) => {
+            let problems = crate::config::check_files(&settings);
+            (Some(settings), problems)
+        }
+        Err(problems) => (None, problems),
+    };
+    if !problems.is_empty() {
+        let n = problems.len();
+        eprintln!("{}: {n} {}", file.display(), if n == 1 { "error" } else { "errors" });
+        for p in &problems {
+            match p.line(&text) {
+                Some(line) => eprintln!("  {}:{line}: {}", file.display(), p.message),
+                None => eprintln!("  {}: {}", file.display(), p.message),
+            }
+        }
+        return Ok(ExitCode::FAILURE);
+    }
+    let Some(settings) = settings else { return Ok(ExitCode::FAILURE) };
+    println!("{} is valid", file.display());
+    println!("  socket          {}", settings.socket.display());
+    println!("  worker threads  {}", settings.worker_threads);
+    println!("  ring depth      {}", settings.ring_depth);
+    println!("  allowed roots   {:?}", settings.allowed_roots);
+    println!("  datasets        {:?}", settings.datasets.keys().collect::<Vec<_>>());
+    Ok(ExitCode::SUCCESS)
 }
 
 fn serve(config: Option<&Path>, socket: Option<PathBuf>, log_level: Option<String>) -> anyhow::Result<ExitCode> {

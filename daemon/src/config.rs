@@ -304,84 +304,134 @@ impl Config {
         })
     }
 
-    /// Checks values and resolves defaults.
+    /// Checks values and resolves defaults; every problem found is named in
+    /// the error (see [`Config::check`] for them one by one).
     pub fn validate(self, path: &Path) -> Result<Settings, ConfigError> {
-        let invalid = |message: String| ConfigError::Invalid { path: path.to_owned(), message };
+        self.check().map_err(|problems| ConfigError::Invalid {
+            path: path.to_owned(),
+            message: problems.iter().map(|p| p.message.as_str()).collect::<Vec<_>>().join("; "),
+        })
+    }
+
+    /// Checks values and resolves defaults, collecting every problem rather
+    /// than stopping at the first.
+    pub fn check(self) -> Result<Settings, Vec<Problem>> {
+        let mut problems = Vec::new();
+        let mut problem = |at: &[&str], message: String| problems.push(Problem::new(at, message));
         if !(1..=1024).contains(&self.ring.depth) {
-            return Err(invalid(format!("[ring] depth = {} must be between 1 and 1024", self.ring.depth)));
+            problem(&["ring", "depth"], format!("[ring] depth = {} must be between 1 and 1024", self.ring.depth));
         }
         if self.limits.max_batch_size == 0 {
-            return Err(invalid("[limits] max_batch_size must be at least 1".into()));
+            problem(&["limits", "max_batch_size"], "[limits] max_batch_size must be at least 1".into());
         }
         if self.limits.max_message_bytes < 4096 || self.limits.max_message_bytes > stoker_proto::MAX_FRAME_BYTES {
-            return Err(invalid(format!(
-                "[limits] max_message_bytes = {} must be between 4096 and {}",
-                self.limits.max_message_bytes,
-                stoker_proto::MAX_FRAME_BYTES
-            )));
+            problem(
+                &["limits", "max_message_bytes"],
+                format!(
+                    "[limits] max_message_bytes = {} must be between 4096 and {}",
+                    self.limits.max_message_bytes,
+                    stoker_proto::MAX_FRAME_BYTES
+                ),
+            );
         }
         if !(self.limits.idle_close_s >= 0.0 && self.limits.idle_close_s <= 86_400.0) {
-            return Err(invalid(format!(
-                "[limits] idle_close_s = {} must be between 0 and 86400",
-                self.limits.idle_close_s
-            )));
+            problem(
+                &["limits", "idle_close_s"],
+                format!("[limits] idle_close_s = {} must be between 0 and 86400", self.limits.idle_close_s),
+            );
         }
         if self.limits.max_open_files == 0 {
-            return Err(invalid("[limits] max_open_files must be at least 1".into()));
+            problem(&["limits", "max_open_files"], "[limits] max_open_files must be at least 1".into());
         }
         for (name, ds) in &self.datasets {
             let ds = match ds {
                 DatasetConfig::Hdf5(ds) => ds,
                 DatasetConfig::Lmdb(ds) => {
                     if ds.fields.is_empty() {
-                        return Err(invalid(format!(
-                            "[datasets.{name}] has no fields; add [[datasets.{name}.fields]] tables with name, env and codec"
-                        )));
+                        problem(
+                            &["datasets", name],
+                            format!(
+                                "[datasets.{name}] has no fields; add [[datasets.{name}.fields]] tables with name, \
+                                 env and codec"
+                            ),
+                        );
                     }
-                    if let Some(f) = ds.fields.iter().find(|f| !Path::new(&f.env).is_absolute()) {
-                        return Err(invalid(format!(
-                            "[datasets.{name}] field {:?}: env = {:?} must be an absolute path",
-                            f.name, f.env
-                        )));
+                    for (i, f) in ds.fields.iter().enumerate() {
+                        if !Path::new(&f.env).is_absolute() {
+                            problem(
+                                &["datasets", name, "fields", &i.to_string(), "env"],
+                                format!(
+                                    "[datasets.{name}] field {:?}: env = {:?} must be an absolute path",
+                                    f.name, f.env
+                                ),
+                            );
+                        }
+                    }
+                    if let Some(key_file) = ds.key_file.as_ref().filter(|k| !Path::new(k).is_absolute()) {
+                        problem(
+                            &["datasets", name, "key_file"],
+                            format!("[datasets.{name}] key_file = {key_file:?} must be an absolute path"),
+                        );
                     }
                     continue;
                 }
             };
             if !Path::new(&ds.files).is_absolute() {
-                return Err(invalid(format!(
-                    "[datasets.{name}] files = {:?} must be an absolute path or glob",
-                    ds.files
-                )));
+                problem(
+                    &["datasets", name, "files"],
+                    format!("[datasets.{name}] files = {:?} must be an absolute path or glob", ds.files),
+                );
             }
             if let Some(w) = ds.window.filter(|w| w.size == 0 || w.stride == 0) {
-                return Err(invalid(format!(
-                    "[datasets.{name}] window size = {} and stride = {} must both be at least 1",
-                    w.size, w.stride
-                )));
+                problem(
+                    &["datasets", name, "window"],
+                    format!(
+                        "[datasets.{name}] window size = {} and stride = {} must both be at least 1",
+                        w.size, w.stride
+                    ),
+                );
             }
             if let Some(unknown) = ds.per_item.iter().find(|f| !ds.fields.contains_key(*f)) {
-                return Err(invalid(format!("[datasets.{name}] per_item names {unknown:?}, which is not in fields")));
+                problem(
+                    &["datasets", name, "per_item"],
+                    format!("[datasets.{name}] per_item names {unknown:?}, which is not in fields"),
+                );
+            } else if !ds.per_item.is_empty() && ds.window.is_none() {
+                problem(
+                    &["datasets", name, "per_item"],
+                    format!(
+                        "[datasets.{name}] per_item is set but there is no window; without a window every field \
+                         is per item (add window = {{ size = 4, stride = 1 }} or remove per_item)"
+                    ),
+                );
             }
             if ds.fields.is_empty() {
-                return Err(invalid(format!(
-                    "[datasets.{name}] fields is empty; map at least one field name to an HDF5 path, \
-                     e.g. fields = {{ x = \"data\" }}"
-                )));
+                problem(
+                    &["datasets", name, "fields"],
+                    format!(
+                        "[datasets.{name}] fields is empty; map at least one field name to an HDF5 path, \
+                         e.g. fields = {{ x = \"data\" }}"
+                    ),
+                );
             }
         }
         if self.limits.max_sample_bytes == 0 || self.limits.max_batch_bytes == 0 {
-            return Err(invalid("[limits] max_sample_bytes and max_batch_bytes must be at least 1".into()));
+            let key = if self.limits.max_sample_bytes == 0 { "max_sample_bytes" } else { "max_batch_bytes" };
+            problem(&["limits", key], "[limits] max_sample_bytes and max_batch_bytes must be at least 1".into());
         }
         let mut limits = self.limits;
         if limits.max_memory_bytes == 0 {
             limits.max_memory_bytes = physical_memory().map_or(u64::MAX, |bytes| bytes / 2);
         }
         if self.cache.chunk_bytes >= limits.max_memory_bytes {
-            return Err(invalid(format!(
-                "[cache] chunk_bytes = {} leaves nothing of the daemon's memory budget ([limits] max_memory_bytes = \
-                 {}) for the rings; lower it or raise the budget",
-                self.cache.chunk_bytes, limits.max_memory_bytes
-            )));
+            problem(
+                &["cache", "chunk_bytes"],
+                format!(
+                    "[cache] chunk_bytes = {} leaves nothing of the daemon's memory budget ([limits] \
+                     max_memory_bytes = {}) for the rings; lower it or raise the budget",
+                    self.cache.chunk_bytes, limits.max_memory_bytes
+                ),
+            );
         }
         let mut allowed_roots = Vec::new();
         for root in &self.server.allowed_roots {
@@ -390,34 +440,51 @@ impl Config {
         }
         let socket_gid = match &self.server.socket_group {
             None => None,
-            Some(g) => Some(resolve_group(g).ok_or_else(|| {
-                invalid(format!("[server] socket_group = {g:?} is neither a number nor a group in /etc/group"))
-            })?),
+            Some(g) => {
+                let gid = resolve_group(g);
+                if gid.is_none() {
+                    problem(
+                        &["server", "socket_group"],
+                        format!("[server] socket_group = {g:?} is neither a number nor a group in /etc/group"),
+                    );
+                }
+                gid
+            }
         };
         let socket_mode = match &self.server.socket_mode {
             Some(m) => match u32::from_str_radix(m.trim_start_matches("0o"), 8) {
                 Ok(mode) if mode <= 0o777 => mode,
                 _ => {
-                    return Err(invalid(format!(
-                        "[server] socket_mode = {m:?} must be octal permissions like \"0660\""
-                    )));
+                    problem(
+                        &["server", "socket_mode"],
+                        format!("[server] socket_mode = {m:?} must be octal permissions like \"0660\""),
+                    );
+                    0o600
                 }
             },
             None if socket_gid.is_some() => 0o660,
             None if !self.server.allowed_uids.is_empty() || !self.server.allowed_gids.is_empty() => 0o666,
             None => 0o600,
         };
-        let seconds = |key: &str, s: f64| {
+        let mut seconds = |key: &str, s: f64| {
             if s.is_finite() && s > 0.0 && s <= 3600.0 {
-                Ok(std::time::Duration::from_secs_f64(s))
+                std::time::Duration::from_secs_f64(s)
             } else {
-                Err(invalid(format!("[server] {key} = {s} must be between 0 and 3600 seconds")))
+                problem(&["server", key], format!("[server] {key} = {s} must be between 0 and 3600 seconds"));
+                std::time::Duration::ZERO
             }
         };
-        let frame_timeout = seconds("frame_timeout_s", self.server.frame_timeout_s)?;
-        let shutdown_grace = seconds("shutdown_grace_s", self.server.shutdown_grace_s)?;
+        let frame_timeout = seconds("frame_timeout_s", self.server.frame_timeout_s);
+        let shutdown_grace = seconds("shutdown_grace_s", self.server.shutdown_grace_s);
         if limits.max_connections == 0 || limits.max_connections_per_uid == 0 {
-            return Err(invalid("[limits] max_connections and max_connections_per_uid must be at least 1".into()));
+            let key = if limits.max_connections == 0 { "max_connections" } else { "max_connections_per_uid" };
+            problem(
+                &["limits", key],
+                "[limits] max_connections and max_connections_per_uid must be at least 1".into(),
+            );
+        }
+        if !problems.is_empty() {
+            return Err(problems);
         }
         let worker_threads = match self.workers.threads {
             0 => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
@@ -440,6 +507,122 @@ impl Config {
             datasets: self.datasets,
         })
     }
+}
+
+/// One problem found in a config: what is wrong, and the key or table it is
+/// about (for the line `stoker validate` prints with it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// Key path: tables, keys and array indices, e.g. `["datasets", "a", "fields", "1", "env"]`.
+    pub at: Vec<String>,
+    /// What is wrong and how to fix it.
+    pub message: String,
+}
+
+impl Problem {
+    fn new(at: &[&str], message: String) -> Problem {
+        Problem { at: at.iter().map(|s| s.to_string()).collect(), message }
+    }
+
+    /// The 1-based line in `text` (the config the problem was found in) of
+    /// the key it is about, or of the nearest enclosing table written there.
+    pub fn line(&self, text: &str) -> Option<usize> {
+        use toml::de::{DeTable, DeValue};
+        let doc = DeTable::parse(text).ok()?;
+        let mut span = None;
+        let mut table = Some(doc.get_ref());
+        let mut array: Option<&[toml::Spanned<DeValue<'_>>]> = None;
+        for seg in &self.at {
+            let value = if let Some(t) = table {
+                let (key, value) = t.iter().find(|(k, _)| k.get_ref().as_ref() == seg.as_str())?;
+                span = Some(key.span());
+                value
+            } else if let Some(items) = array {
+                let Some(value) = seg.parse::<usize>().ok().and_then(|i| items.get(i)) else { break };
+                span = Some(value.span());
+                value
+            } else {
+                break;
+            };
+            (table, array) = match value.get_ref() {
+                DeValue::Table(t) => (Some(t), None),
+                DeValue::Array(a) => (None, Some(&a[..])),
+                _ => (None, None),
+            };
+        }
+        let offset = span?.start;
+        Some(text.get(..offset)?.matches('\n').count() + 1)
+    }
+}
+
+/// Opens every named dataset as the daemon would when a client asks for it
+/// (its files by handle, read-only; LMDB environments mapped without the
+/// lock file), serving nothing: globs that match no file, files or
+/// environments that do not open, missing fields and keys become problems.
+/// Used by `stoker validate`; the daemon itself opens datasets on demand.
+pub fn check_files(settings: &Settings) -> Vec<Problem> {
+    use crate::source::hdf5::{self, Hdf5Source, Hdf5Spec, OpenFiles, Window};
+    use crate::source::{SourceError, lmdb::LmdbSource};
+    let mut problems = Vec::new();
+    for (name, ds) in &settings.datasets {
+        let table = ["datasets", name.as_str()];
+        match ds {
+            DatasetConfig::Hdf5(ds) => {
+                let spec = Hdf5Spec {
+                    files: ds.files.clone(),
+                    fields: ds.fields.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+                    window: ds.window.map(|w| Window { size: w.size, stride: w.stride }),
+                    per_item: ds.per_item.clone(),
+                    fast_path: settings.hdf5_fast_path,
+                };
+                let opened = hdf5::check_files(&spec, None).and_then(|files| {
+                    let cache = std::sync::Arc::new(crate::cache::ChunkCache::new(0));
+                    Hdf5Source::open(&spec, files, cache, OpenFiles::new(settings.limits.max_open_files))
+                });
+                if let Err(e) = opened {
+                    let key = match &e {
+                        SourceError::MissingField { field, .. }
+                        | SourceError::Dtype { field, .. }
+                        | SourceError::Inconsistent { field, .. } => vec!["fields", field.as_str()],
+                        SourceError::Spec { .. } => vec![],
+                        _ => vec!["files"],
+                    };
+                    problems.push(Problem::new(&[&table[..], &key[..]].concat(), format!("[datasets.{name}] {e}")));
+                }
+            }
+            DatasetConfig::Lmdb(ds) => {
+                let opened = crate::dataset::lmdb_spec(ds, None).map_err(|(_, message)| (Vec::new(), message)).and_then(
+                    |mut spec| {
+                        spec.max_value_bytes = settings.limits.max_sample_bytes;
+                        LmdbSource::open(&spec).map(drop).map_err(|e| {
+                            let env = match &e {
+                                SourceError::LmdbOpen { env, .. }
+                                | SourceError::LmdbField { env, .. }
+                                | SourceError::LmdbEmpty { env, .. } => Some(env),
+                                _ => None,
+                            };
+                            let field = env.and_then(|env| ds.fields.iter().position(|f| Path::new(&f.env) == env));
+                            let at = match (&e, field) {
+                                (SourceError::LmdbKeyFile { .. }, _) => vec!["key_file".to_string()],
+                                (SourceError::LmdbField { field, .. }, _) => {
+                                    let i = ds.fields.iter().position(|f| &f.name == field);
+                                    i.map_or_else(Vec::new, |i| vec!["fields".to_string(), i.to_string()])
+                                }
+                                (_, Some(i)) => vec!["fields".to_string(), i.to_string(), "env".to_string()],
+                                _ => Vec::new(),
+                            };
+                            (at, e.to_string())
+                        })
+                    },
+                );
+                if let Err((at, message)) = opened {
+                    let at: Vec<&str> = table.iter().copied().chain(at.iter().map(String::as_str)).collect();
+                    problems.push(Problem::new(&at, format!("[datasets.{name}] {message}")));
+                }
+            }
+        }
+    }
+    problems
 }
 
 /// A group name (looked up in /etc/group; no NSS) or a numeric gid.
