@@ -172,20 +172,27 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 fn validate(file: &Path) -> anyhow::Result<ExitCode> {
     let text = std::fs::read_to_string(file).with_context(|| format!("cannot read config {}", file.display()))?;
     let config = Config::parse(&text, file)?;
-    let (settings, problems) = match config.check() {
-        Ok(settings) => {
-            let problems = crate::config::check_files(&settings);
-            (Some(settings), problems)
-        }
+    let files = config.check_files();
+    let (settings, mut problems) = match config.check() {
+        Ok(settings) => (Some(settings), Vec::new()),
         Err(problems) => (None, problems),
     };
+    // A dataset whose values are wrong is reported for those, not again for its files.
+    let named =
+        |p: &crate::config::Problem| p.at.first().is_some_and(|t| t == "datasets").then(|| p.at.get(1).cloned());
+    let wrong: Vec<_> = problems.iter().filter_map(named).collect();
+    problems.extend(files.into_iter().filter(|f| !named(f).is_some_and(|name| wrong.contains(&name))));
     if !problems.is_empty() {
-        let n = problems.len();
+        let mut lines: Vec<(Option<usize>, &str)> =
+            problems.iter().map(|p| (p.line(&text), p.message.as_str())).collect();
+        // In the file's order; problems without a line (defaults) last.
+        lines.sort_by_key(|(line, _)| line.unwrap_or(usize::MAX));
+        let n = lines.len();
         eprintln!("{}: {n} {}", file.display(), if n == 1 { "error" } else { "errors" });
-        for p in &problems {
-            match p.line(&text) {
-                Some(line) => eprintln!("  {}:{line}: {}", file.display(), p.message),
-                None => eprintln!("  {}: {}", file.display(), p.message),
+        for (line, message) in lines {
+            match line {
+                Some(line) => eprintln!("  {}:{line}: {message}", file.display()),
+                None => eprintln!("  {}: {message}", file.display()),
             }
         }
         return Ok(ExitCode::FAILURE);

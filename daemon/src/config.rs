@@ -478,10 +478,7 @@ impl Config {
         let shutdown_grace = seconds("shutdown_grace_s", self.server.shutdown_grace_s);
         if limits.max_connections == 0 || limits.max_connections_per_uid == 0 {
             let key = if limits.max_connections == 0 { "max_connections" } else { "max_connections_per_uid" };
-            problem(
-                &["limits", key],
-                "[limits] max_connections and max_connections_per_uid must be at least 1".into(),
-            );
+            problem(&["limits", key], "[limits] max_connections and max_connections_per_uid must be at least 1".into());
         }
         if !problems.is_empty() {
             return Err(problems);
@@ -534,7 +531,7 @@ impl Problem {
         let mut array: Option<&[toml::Spanned<DeValue<'_>>]> = None;
         for seg in &self.at {
             let value = if let Some(t) = table {
-                let (key, value) = t.iter().find(|(k, _)| k.get_ref().as_ref() == seg.as_str())?;
+                let Some((key, value)) = t.iter().find(|(k, _)| k.get_ref().as_ref() == seg.as_str()) else { break };
                 span = Some(key.span());
                 value
             } else if let Some(items) = array {
@@ -555,74 +552,115 @@ impl Problem {
     }
 }
 
-/// Opens every named dataset as the daemon would when a client asks for it
-/// (its files by handle, read-only; LMDB environments mapped without the
-/// lock file), serving nothing: globs that match no file, files or
-/// environments that do not open, missing fields and keys become problems.
-/// Used by `stoker validate`; the daemon itself opens datasets on demand.
-pub fn check_files(settings: &Settings) -> Vec<Problem> {
-    use crate::source::hdf5::{self, Hdf5Source, Hdf5Spec, OpenFiles, Window};
-    use crate::source::{SourceError, lmdb::LmdbSource};
-    let mut problems = Vec::new();
-    for (name, ds) in &settings.datasets {
-        let table = ["datasets", name.as_str()];
-        match ds {
-            DatasetConfig::Hdf5(ds) => {
-                let spec = Hdf5Spec {
-                    files: ds.files.clone(),
-                    fields: ds.fields.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-                    window: ds.window.map(|w| Window { size: w.size, stride: w.stride }),
-                    per_item: ds.per_item.clone(),
-                    fast_path: settings.hdf5_fast_path,
-                };
-                let opened = hdf5::check_files(&spec, None).and_then(|files| {
-                    let cache = std::sync::Arc::new(crate::cache::ChunkCache::new(0));
-                    Hdf5Source::open(&spec, files, cache, OpenFiles::new(settings.limits.max_open_files))
-                });
-                if let Err(e) = opened {
-                    let key = match &e {
-                        SourceError::MissingField { field, .. }
-                        | SourceError::Dtype { field, .. }
-                        | SourceError::Inconsistent { field, .. } => vec!["fields", field.as_str()],
-                        SourceError::Spec { .. } => vec![],
-                        _ => vec!["files"],
-                    };
-                    problems.push(Problem::new(&[&table[..], &key[..]].concat(), format!("[datasets.{name}] {e}")));
+impl Config {
+    /// Opens every named dataset as the daemon would when a client asks for
+    /// it (its files by handle, read-only; LMDB environments mapped without
+    /// the lock file), serving nothing: globs that match no file, files or
+    /// environments that do not open, missing fields and keys become
+    /// problems, one per dataset, plus one per LMDB environment or key file
+    /// that is missing. Used by `stoker validate`; the daemon opens datasets
+    /// on demand.
+    pub fn check_files(&self) -> Vec<Problem> {
+        let mut problems = Vec::new();
+        for (name, ds) in &self.datasets {
+            let problem = match ds {
+                DatasetConfig::Hdf5(ds) => self.check_hdf5(ds),
+                DatasetConfig::Lmdb(ds) => {
+                    let missing = check_lmdb_paths(ds);
+                    if missing.is_empty() {
+                        self.check_lmdb(ds)
+                    } else {
+                        for (at, message) in missing {
+                            let at: Vec<&str> =
+                                ["datasets", name].into_iter().chain(at.iter().map(String::as_str)).collect();
+                            problems.push(Problem::new(&at, format!("[datasets.{name}] {message}")));
+                        }
+                        None
+                    }
                 }
-            }
-            DatasetConfig::Lmdb(ds) => {
-                let opened = crate::dataset::lmdb_spec(ds, None).map_err(|(_, message)| (Vec::new(), message)).and_then(
-                    |mut spec| {
-                        spec.max_value_bytes = settings.limits.max_sample_bytes;
-                        LmdbSource::open(&spec).map(drop).map_err(|e| {
-                            let env = match &e {
-                                SourceError::LmdbOpen { env, .. }
-                                | SourceError::LmdbField { env, .. }
-                                | SourceError::LmdbEmpty { env, .. } => Some(env),
-                                _ => None,
-                            };
-                            let field = env.and_then(|env| ds.fields.iter().position(|f| Path::new(&f.env) == env));
-                            let at = match (&e, field) {
-                                (SourceError::LmdbKeyFile { .. }, _) => vec!["key_file".to_string()],
-                                (SourceError::LmdbField { field, .. }, _) => {
-                                    let i = ds.fields.iter().position(|f| &f.name == field);
-                                    i.map_or_else(Vec::new, |i| vec!["fields".to_string(), i.to_string()])
-                                }
-                                (_, Some(i)) => vec!["fields".to_string(), i.to_string(), "env".to_string()],
-                                _ => Vec::new(),
-                            };
-                            (at, e.to_string())
-                        })
-                    },
-                );
-                if let Err((at, message)) = opened {
-                    let at: Vec<&str> = table.iter().copied().chain(at.iter().map(String::as_str)).collect();
-                    problems.push(Problem::new(&at, format!("[datasets.{name}] {message}")));
-                }
+            };
+            if let Some((at, message)) = problem {
+                let at: Vec<&str> = ["datasets", name].into_iter().chain(at.iter().map(String::as_str)).collect();
+                problems.push(Problem::new(&at, format!("[datasets.{name}] {message}")));
             }
         }
+        problems
     }
-    problems
+
+    /// Opens an HDF5 dataset's files and fields; the problem and the key it is about.
+    fn check_hdf5(&self, ds: &Hdf5DatasetConfig) -> Option<(Vec<String>, String)> {
+        use crate::source::SourceError;
+        use crate::source::hdf5::{self, Hdf5Source, Hdf5Spec, OpenFiles, Window};
+        let spec = Hdf5Spec {
+            files: ds.files.clone(),
+            fields: ds.fields.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            window: ds.window.map(|w| Window { size: w.size, stride: w.stride }),
+            per_item: ds.per_item.clone(),
+            fast_path: self.hdf5.fast_path,
+        };
+        let opened = hdf5::check_files(&spec, None).and_then(|files| {
+            let cache = std::sync::Arc::new(crate::cache::ChunkCache::new(0));
+            Hdf5Source::open(&spec, files, cache, OpenFiles::new(self.limits.max_open_files))
+        });
+        let e = opened.err()?;
+        let at = match &e {
+            SourceError::MissingField { field, .. }
+            | SourceError::Dtype { field, .. }
+            | SourceError::Inconsistent { field, .. } => vec!["fields".to_string(), field.clone()],
+            SourceError::Spec { .. } => Vec::new(),
+            _ => vec!["files".to_string()],
+        };
+        Some((at, e.to_string()))
+    }
+
+    /// Opens an LMDB dataset (environments, keys, probed values); the problem and the key it is about.
+    fn check_lmdb(&self, ds: &stoker_proto::LmdbDataset) -> Option<(Vec<String>, String)> {
+        use crate::source::{SourceError, lmdb::LmdbSource};
+        let mut spec = match crate::dataset::lmdb_spec(ds, None) {
+            Ok(spec) => spec,
+            Err((_, message)) => return Some((Vec::new(), message)),
+        };
+        spec.max_value_bytes = self.limits.max_sample_bytes;
+        let e = LmdbSource::open(&spec).err()?;
+        let field_at = |i: usize| vec!["fields".to_string(), i.to_string()];
+        let at = match &e {
+            SourceError::LmdbKeyFile { .. } => vec!["key_file".to_string()],
+            SourceError::LmdbField { field, .. } => {
+                ds.fields.iter().position(|f| &f.name == field).map_or_else(Vec::new, field_at)
+            }
+            SourceError::LmdbOpen { env, .. } | SourceError::LmdbEmpty { env, .. } => {
+                match ds.fields.iter().position(|f| Path::new(&f.env) == env) {
+                    Some(i) => [field_at(i), vec!["env".to_string()]].concat(),
+                    None => Vec::new(),
+                }
+            }
+            _ => Vec::new(),
+        };
+        Some((at, e.to_string()))
+    }
+}
+
+/// Every environment and key file of an LMDB dataset that cannot be opened
+/// (missing, unreadable, a directory without `data.mdb`), with the key naming it.
+fn check_lmdb_paths(ds: &stoker_proto::LmdbDataset) -> Vec<(Vec<String>, String)> {
+    use crate::fsaccess::{self, Want};
+    let mut missing = Vec::new();
+    for (i, f) in ds.fields.iter().enumerate() {
+        let opened = fsaccess::open(Path::new(&f.env), None, Want::FileOrDir)
+            .and_then(|env| if env.is_dir { fsaccess::open_in(&env, "data.mdb").map(drop) } else { Ok(()) });
+        if let Err(e) = opened {
+            missing.push((
+                vec!["fields".to_string(), i.to_string(), "env".to_string()],
+                format!("field {:?}: LMDB environment: {e}", f.name),
+            ));
+        }
+    }
+    if let Some(path) = &ds.key_file
+        && let Err(e) = fsaccess::open(Path::new(path), None, Want::File)
+    {
+        missing.push((vec!["key_file".to_string()], format!("key_file: {e}")));
+    }
+    missing
 }
 
 /// A group name (looked up in /etc/group; no NSS) or a numeric gid.
@@ -709,6 +747,33 @@ mod tests {
         let names: Vec<_> = cfg.datasets.keys().cloned().collect();
         assert_eq!(names, ["div2k", "imagenet", "shear_flow", "train"]);
         cfg.validate(path).unwrap();
+    }
+
+    #[test]
+    fn every_problem_is_reported_with_the_line_of_its_key() {
+        let text = "[ring]\ndepth = 0\n\n[limits]\nmax_batch_size = 0\n\n[datasets.a]\nformat = \"hdf5\"\n\
+                    files = \"rel/*.h5\"\nfields = { x = \"x\" }\n\n[datasets.b]\nformat = \"lmdb\"\n\
+                    [[datasets.b.fields]]\nname = \"p\"\nenv = \"/abs\"\ncodec = \"png\"\n\
+                    [[datasets.b.fields]]\nname = \"q\"\nenv = \"rel\"\ncodec = \"png\"\n";
+        let problems = Config::parse(text, Path::new("c.toml")).unwrap().check().unwrap_err();
+        let lines: Vec<Option<usize>> = problems.iter().map(|p| p.line(text)).collect();
+        assert_eq!(lines, [Some(2), Some(5), Some(9), Some(20)], "{problems:#?}");
+        let msg = Config::parse(text, Path::new("c.toml")).unwrap().validate(Path::new("c.toml")).unwrap_err();
+        let msg = msg.to_string();
+        assert!(msg.contains("depth") && msg.contains("max_batch_size") && msg.contains("\"rel\""), "{msg}");
+    }
+
+    #[test]
+    fn problem_lines_fall_back_to_the_enclosing_table() {
+        let text = "[server]\nsocket = \"/s\"\n\n[cache]\n";
+        let at = |path: &[&str]| Problem::new(path, String::new()).line(text);
+        assert_eq!(at(&["server", "socket"]), Some(2));
+        assert_eq!(at(&["server", "socket_mode"]), Some(1), "a default: the table's line");
+        assert_eq!(at(&["cache", "chunk_bytes"]), Some(4));
+        assert_eq!(at(&["limits", "max_batch_size"]), None, "nothing written: no line");
+        let inline = "datasets.a = { format = \"hdf5\", files = \"x\",\n  fields = { y = \"y\" } }\n";
+        let p = Problem::new(&["datasets", "a", "fields", "y"], String::new());
+        assert_eq!(p.line(inline), Some(2));
     }
 
     #[test]

@@ -294,7 +294,8 @@ pub fn format_lmdb_report(envs: &[LmdbReport]) -> String {
         None => stem(&first.env),
     };
     // BasicSR writes meta_info.txt into each environment; the HR one's lists the pairs.
-    let key_file = pair.and_then(|p| meta_info(&envs[p.hr].env)).or_else(|| order.iter().find_map(|&i| meta_info(&envs[i].env)));
+    let key_file =
+        pair.and_then(|p| meta_info(&envs[p.hr].env)).or_else(|| order.iter().find_map(|&i| meta_info(&envs[i].env)));
     let _ = writeln!(out, "\nsuggested config:\n");
     let _ = writeln!(out, "[datasets.{dataset}]\nformat = \"lmdb\"");
     if let Some((path, keys)) = &key_file {
@@ -308,8 +309,11 @@ pub fn format_lmdb_report(envs: &[LmdbReport]) -> String {
         let _ = writeln!(out, "# the LR/HR partner was found beside the environment given; check it is the right one");
     }
     if let Some(p) = pair {
-        let others: Vec<String> =
-            partners(&envs[p.lr].env).iter().filter(|o| **o != envs[p.hr].env).map(|o| o.display().to_string()).collect();
+        let others: Vec<String> = partners(&envs[p.lr].env)
+            .iter()
+            .filter(|o| **o != envs[p.hr].env)
+            .map(|o| o.display().to_string())
+            .collect();
         let _ = writeln!(out, "# LR/HR pair: every probed key's HR image is {}× its LR image", p.scale);
         if !others.is_empty() {
             let _ = writeln!(out, "# other HR environments beside the LR one: {}", others.join(", "));
@@ -400,7 +404,8 @@ pub fn format_report(file: &Path, reports: &[DatasetReport]) -> String {
     }
     // The Well keeps its fields in t0_fields/t1_fields/t2_fields; dimensions,
     // boundary_conditions and scalars describe them and are not samples.
-    let is_well_field = |r: &DatasetReport| ["t0_fields/", "t1_fields/", "t2_fields/"].iter().any(|g| r.path.starts_with(g));
+    let is_well_field =
+        |r: &DatasetReport| ["t0_fields/", "t1_fields/", "t2_fields/"].iter().any(|g| r.path.starts_with(g));
     let well = reports.iter().any(is_well_field);
     // Suggest the servable datasets sharing a first-axis length: the length
     // most datasets with more than one axis share (1-D datasets are often
@@ -439,7 +444,9 @@ pub fn format_report(file: &Path, reports: &[DatasetReport]) -> String {
     let time = time_axis(reports, group, well);
     // Fields without the time axis (or whose axis 1 is not it) are delivered whole per item.
     let per_item: Vec<&String> = match time {
-        Some(t) => names.iter().zip(group).filter(|(_, r)| r.shape.len() < 2 || r.shape[1] != t).map(|(n, _)| n).collect(),
+        Some(t) => {
+            names.iter().zip(group).filter(|(_, r)| r.shape.len() < 2 || r.shape[1] != t).map(|(n, _)| n).collect()
+        }
         None => Vec::new(),
     };
     let windowed = time.filter(|_| per_item.len() < group.len());
@@ -449,10 +456,8 @@ pub fn format_report(file: &Path, reports: &[DatasetReport]) -> String {
     let _ = writeln!(out, "files = {}", quote(&files));
     let _ = writeln!(out, "fields = {{ {} }}", fields.join(", "));
     if let Some(t) = windowed {
-        let _ = writeln!(
-            out,
-            "# a time series of {t} steps along axis 1: each sample is a window of consecutive steps"
-        );
+        let _ =
+            writeln!(out, "# a time series of {t} steps along axis 1: each sample is a window of consecutive steps");
         let _ = writeln!(out, "window = {{ size = {}, stride = 1 }}", t.min(4));
         if !per_item.is_empty() {
             let list: Vec<String> = per_item.iter().map(|n| quote(n)).collect();
@@ -467,4 +472,95 @@ pub fn format_report(file: &Path, reports: &[DatasetReport]) -> String {
         );
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(dir: &Path, name: &str) -> PathBuf {
+        let path = dir.join(name);
+        std::fs::create_dir(&path).unwrap();
+        std::fs::write(path.join("data.mdb"), b"").unwrap();
+        path
+    }
+
+    #[test]
+    fn lr_and_hr_environments_find_each_other() {
+        let dir = tempfile::tempdir().unwrap();
+        let hr = env(dir.path(), "DIV2K_train_HR_sub.lmdb");
+        let x4 = env(dir.path(), "DIV2K_train_LR_bicubic_X4_sub.lmdb");
+        let x2 = env(dir.path(), "DIV2K_train_LR_bicubic_X2_sub.lmdb");
+        env(dir.path(), "DIV2K_valid_LR_bicubic_X4_sub.lmdb");
+        env(dir.path(), "labels.lmdb");
+        assert_eq!(partners(&hr), [x2.clone(), x4.clone()]);
+        assert_eq!(partners(&x4), std::slice::from_ref(&hr));
+        assert!(partners(&dir.path().join("labels.lmdb")).is_empty());
+    }
+
+    fn report(shapes: &[(&str, &[u64])]) -> LmdbReport {
+        let scan = crate::source::lmdb::EnvScan {
+            probed_shapes: shapes.iter().map(|(k, s)| (k.as_bytes().to_vec(), s.to_vec())).collect(),
+            ..Default::default()
+        };
+        LmdbReport { env: PathBuf::from("/e"), scan, found_beside: false }
+    }
+
+    #[test]
+    fn pairing_needs_one_integer_scale_for_every_shared_key() {
+        let lr = report(&[("a", &[6, 7, 3]), ("b", &[8, 9, 3])]);
+        let hr = report(&[("a", &[24, 28, 3]), ("b", &[32, 36, 3])]);
+        assert_eq!(pairing(&[hr.clone(), lr.clone()]), Some(Pairing { lr: 1, hr: 0, scale: 4 }));
+        let mixed = report(&[("a", &[24, 28, 3]), ("b", &[16, 18, 3])]);
+        assert_eq!(pairing(&[lr.clone(), mixed]), None, "4× for one key, 2× for another");
+        let gray = report(&[("a", &[24, 28, 1]), ("b", &[32, 36, 1])]);
+        assert_eq!(pairing(&[lr.clone(), gray]), None, "channels differ");
+        let same = report(&[("a", &[6, 7, 3])]);
+        assert_eq!(pairing(&[lr, same]), None, "same size is no pair");
+    }
+
+    fn dataset(path: &str, shape: &[u64]) -> DatasetReport {
+        DatasetReport {
+            path: path.into(),
+            shape: shape.to_vec(),
+            dtype: "float32".into(),
+            servable: true,
+            byte_order: "little".into(),
+            layout: "contiguous".into(),
+            chunks: None,
+            filters: Vec::new(),
+            read_path: "fast path".into(),
+        }
+    }
+
+    #[test]
+    fn the_well_suggests_a_window_and_its_constants_per_item() {
+        let reports = [
+            dataset("dimensions/time", &[20]),
+            dataset("dimensions/x", &[4]),
+            dataset("boundary_conditions/x/mask", &[4]),
+            dataset("t0_fields/density", &[4, 20, 16, 16]),
+            dataset("t0_fields/mask", &[4, 16, 16]),
+            dataset("t1_fields/velocity", &[4, 20, 16, 16, 2]),
+        ];
+        let out = format_report(Path::new("/data/well/train/a.hdf5"), &reports);
+        let table = out.split_once("suggested config").unwrap().1.split_once('\n').unwrap().1;
+        let parsed: toml::Table = toml::from_str(table).unwrap();
+        let ds = &parsed["datasets"]["a"];
+        assert_eq!(ds["files"].as_str(), Some("/data/well/train/*.hdf5"));
+        assert_eq!(ds["fields"].as_table().unwrap().len(), 3, "{table}");
+        assert_eq!(ds["per_item"].as_array().unwrap(), &[toml::Value::from("mask")]);
+        assert_eq!(ds["window"]["size"].as_integer(), Some(4));
+    }
+
+    #[test]
+    fn images_and_labels_get_no_window() {
+        let reports = [dataset("images", &[100, 32, 32]), dataset("labels", &[100])];
+        let out = format_report(Path::new("/d/[x]/a.h5"), &reports);
+        let table = out.split_once("suggested config").unwrap().1.split_once('\n').unwrap().1;
+        let parsed: toml::Table = toml::from_str(table).unwrap();
+        let ds = &parsed["datasets"]["a"];
+        assert!(ds.get("window").is_none(), "{table}");
+        assert_eq!(ds["files"].as_str(), Some("/d/[[]x[]]/*.h5"), "glob characters in the directory are escaped");
+    }
 }
