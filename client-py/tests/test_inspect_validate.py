@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import h5py
+import lmdb
 import numpy as np
 import pytest
 
@@ -209,7 +210,7 @@ def test_basicsr_lmdb_suggests_its_meta_info_as_key_file(stoker: Any, start_daem
     daemon = validated_daemon(start_daemon, tmp_path, table)
     rows = served_rows(stoker, daemon, name, batch_size=4)
     assert len(rows) == len(listed)
-    with __import__("lmdb").open(str(env), readonly=True, lock=False) as db, db.begin() as txn:
+    with lmdb.open(str(env), readonly=True, lock=False) as db, db.begin() as txn:
         for i, (r, k) in enumerate(zip(rows, listed)):
             assert_same(r["x"], pil_decode(txn.get(k.encode())), f"x[{i}] ({k})")
 
@@ -249,9 +250,12 @@ def test_lr_hr_environments_are_suggested_as_a_pair(
     daemon = validated_daemon(start_daemon, tmp_path, table)
     rows = served_rows(stoker, daemon, name, batch_size=4)
     assert len(rows) == len(keys)
-    with __import__("lmdb").open(str(lr_env), readonly=True, lock=False) as le, __import__("lmdb").open(
-        str(hr_env), readonly=True, lock=False
-    ) as he, le.begin() as lt, he.begin() as ht:
+    with (
+        lmdb.open(str(lr_env), readonly=True, lock=False) as le,
+        lmdb.open(str(hr_env), readonly=True, lock=False) as he,
+        le.begin() as lt,
+        he.begin() as ht,
+    ):
         for i, (r, k) in enumerate(zip(rows, keys)):
             assert_same(r["lr"], pil_decode(lt.get(k.encode())), f"lr[{i}] ({k})")
             assert_same(r["hr"], pil_decode(ht.get(k.encode())), f"hr[{i}] ({k})")
@@ -303,6 +307,10 @@ def test_validate_reports_every_bad_dataset_with_its_line(tmp_path: Path) -> Non
     assert re.search(rf"{re.escape(str(config))}:{glob_line}: \[datasets\.no_files\].*{re.escape(str(missing))}", err), err
     assert re.search(rf"{re.escape(str(config))}:{env_line}: \[datasets\.broken_env\].*{re.escape(str(not_env))}", err), err
     assert "datasets.good" not in err
+
+    # Values only (for systemd's ExecStartPre, before data is mounted): the files are not opened.
+    res = run_stoker("validate", "--skip-files", config)
+    assert res.returncode == 0, res.stderr
 
 
 def test_validate_reports_every_bad_value_with_its_line(tmp_path: Path) -> None:

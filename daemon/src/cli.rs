@@ -37,6 +37,10 @@ enum Command {
     Validate {
         /// Config file.
         file: PathBuf,
+        /// Check values only: do not open the named datasets' files (for a
+        /// service's pre-start check when data is mounted later).
+        #[arg(long)]
+        skip_files: bool,
     },
     /// Describe an HDF5 file or LMDB environments and suggest a dataset config
     /// that `stoker validate` accepts as printed.
@@ -97,7 +101,7 @@ impl Target {
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Serve { config, socket, log_level } => serve(config.as_deref(), socket, log_level),
-        Command::Validate { file } => validate(&file),
+        Command::Validate { file, skip_files } => validate(&file, !skip_files),
         Command::Inspect { file, json, probe } if file.iter().all(|f| crate::inspect::is_lmdb(f)) => {
             let envs = crate::inspect::inspect_lmdb(&file, probe)?;
             if json {
@@ -167,12 +171,13 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 }
 
 /// `stoker validate FILE`: parses the config (a TOML error stops there: it
-/// has one line), then reports every problem in its values and in the named
-/// datasets' files, each with its line, and exits 1 when there are any.
-fn validate(file: &Path) -> anyhow::Result<ExitCode> {
+/// has one line), then reports every problem in its values and (unless
+/// `open_files` is false) in the named datasets' files, each with its line,
+/// and exits 1 when there are any.
+fn validate(file: &Path, open_files: bool) -> anyhow::Result<ExitCode> {
     let text = std::fs::read_to_string(file).with_context(|| format!("cannot read config {}", file.display()))?;
     let config = Config::parse(&text, file)?;
-    let files = config.check_files();
+    let files = if open_files { config.check_files() } else { Vec::new() };
     let (settings, mut problems) = match config.check() {
         Ok(settings) => (Some(settings), Vec::new()),
         Err(problems) => (None, problems),
