@@ -42,11 +42,19 @@ enum Command {
     Validate {
         /// Config file.
         file: PathBuf,
+        /// Check values only: do not open the named datasets' files (for a
+        /// service's pre-start check when data is mounted later).
+        #[arg(long)]
+        skip_files: bool,
     },
-    /// Describe an HDF5 file or an LMDB environment and suggest a dataset config.
+    /// Describe an HDF5 file or LMDB environments and suggest a dataset config
+    /// that `stoker validate` accepts as printed.
     Inspect {
-        /// An HDF5 file, or an LMDB environment (directory with data.mdb, or its data file).
-        file: PathBuf,
+        /// HDF5 files (each described on its own), or LMDB environments
+        /// (directories with data.mdb, or their data files) that make one dataset together,
+        /// e.g. the LR and HR environments of a super-resolution set.
+        #[arg(required = true)]
+        file: Vec<PathBuf>,
         /// LMDB: values decoded to learn formats and shapes.
         #[arg(long, default_value_t = 64)]
         probe: usize,
@@ -112,31 +120,46 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Serve { config, socket, log_level, log_format } => {
             serve(config.as_deref(), socket, log_level, log_format)
         }
-        Command::Validate { file } => {
-            let settings = Config::load(&file)?.validate(&file)?;
-            println!("{} is valid", file.display());
-            println!("  socket          {}", settings.socket.display());
-            println!("  worker threads  {}", settings.worker_threads);
-            println!("  ring depth      {}", settings.ring_depth);
-            println!("  allowed roots   {:?}", settings.allowed_roots);
-            println!("  datasets        {:?}", settings.datasets.keys().collect::<Vec<_>>());
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Inspect { file, json, probe } if crate::inspect::is_lmdb(&file) => {
-            let scan = crate::inspect::inspect_lmdb(&file, probe)?;
+        Command::Validate { file, skip_files } => validate(&file, !skip_files),
+        Command::Inspect { file, json, probe } if file.iter().all(|f| crate::inspect::is_lmdb(f)) => {
+            let envs = crate::inspect::inspect_lmdb(&file, probe)?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&scan)?);
+                println!("{}", serde_json::to_string_pretty(&envs)?);
             } else {
-                print!("{}", crate::inspect::format_lmdb_report(&file, &scan));
+                print!("{}", crate::inspect::format_lmdb_report(&envs));
             }
             Ok(ExitCode::SUCCESS)
         }
         Command::Inspect { file, json, .. } => {
-            let reports = crate::inspect::inspect(&file)?;
+            if let Some(env) = file.iter().find(|f| crate::inspect::is_lmdb(f)) {
+                anyhow::bail!(
+                    "{} is an LMDB environment and the others are not: inspect HDF5 files and LMDB environments \
+                     separately",
+                    env.display()
+                );
+            }
+            let mut all = Vec::with_capacity(file.len());
+            for f in &file {
+                all.push((f, crate::inspect::inspect(f)?));
+            }
             if json {
-                println!("{}", serde_json::to_string_pretty(&reports)?);
+                match all.as_slice() {
+                    [(_, reports)] => println!("{}", serde_json::to_string_pretty(reports)?),
+                    _ => {
+                        let by_file: Vec<_> = all
+                            .iter()
+                            .map(|(f, r)| serde_json::json!({ "file": f.display().to_string(), "datasets": r }))
+                            .collect();
+                        println!("{}", serde_json::to_string_pretty(&by_file)?);
+                    }
+                }
             } else {
-                print!("{}", crate::inspect::format_report(&file, &reports));
+                for (i, (f, reports)) in all.iter().enumerate() {
+                    if i > 0 {
+                        println!();
+                    }
+                    print!("{}", crate::inspect::format_report(f, reports));
+                }
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -156,6 +179,48 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// `stoker validate FILE`: parses the config (a TOML error stops there: it
+/// has one line), then reports every problem in its values and (unless
+/// `open_files` is false) in the named datasets' files, each with its line,
+/// and exits 1 when there are any.
+fn validate(file: &Path, open_files: bool) -> anyhow::Result<ExitCode> {
+    let text = std::fs::read_to_string(file).with_context(|| format!("cannot read config {}", file.display()))?;
+    let config = Config::parse(&text, file)?;
+    let files = if open_files { config.check_files() } else { Vec::new() };
+    let (settings, mut problems) = match config.check() {
+        Ok(settings) => (Some(settings), Vec::new()),
+        Err(problems) => (None, problems),
+    };
+    // A dataset whose values are wrong is reported for those, not again for its files.
+    let named =
+        |p: &crate::config::Problem| p.at.first().is_some_and(|t| t == "datasets").then(|| p.at.get(1).cloned());
+    let wrong: Vec<_> = problems.iter().filter_map(named).collect();
+    problems.extend(files.into_iter().filter(|f| !named(f).is_some_and(|name| wrong.contains(&name))));
+    if !problems.is_empty() {
+        let mut lines: Vec<(Option<usize>, &str)> =
+            problems.iter().map(|p| (p.line(&text), p.message.as_str())).collect();
+        // In the file's order; problems without a line (defaults) last.
+        lines.sort_by_key(|(line, _)| line.unwrap_or(usize::MAX));
+        let n = lines.len();
+        eprintln!("{}: {n} {}", file.display(), if n == 1 { "error" } else { "errors" });
+        for (line, message) in lines {
+            match line {
+                Some(line) => eprintln!("  {}:{line}: {message}", file.display()),
+                None => eprintln!("  {}: {message}", file.display()),
+            }
+        }
+        return Ok(ExitCode::FAILURE);
+    }
+    let Some(settings) = settings else { return Ok(ExitCode::FAILURE) };
+    println!("{} is valid", file.display());
+    println!("  socket          {}", settings.socket.display());
+    println!("  worker threads  {}", settings.worker_threads);
+    println!("  ring depth      {}", settings.ring_depth);
+    println!("  allowed roots   {:?}", settings.allowed_roots);
+    println!("  datasets        {:?}", settings.datasets.keys().collect::<Vec<_>>());
+    Ok(ExitCode::SUCCESS)
 }
 
 fn serve(

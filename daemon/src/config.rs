@@ -317,84 +317,134 @@ impl Config {
         })
     }
 
-    /// Checks values and resolves defaults.
+    /// Checks values and resolves defaults; every problem found is named in
+    /// the error (see [`Config::check`] for them one by one).
     pub fn validate(self, path: &Path) -> Result<Settings, ConfigError> {
-        let invalid = |message: String| ConfigError::Invalid { path: path.to_owned(), message };
+        self.check().map_err(|problems| ConfigError::Invalid {
+            path: path.to_owned(),
+            message: problems.iter().map(|p| p.message.as_str()).collect::<Vec<_>>().join("; "),
+        })
+    }
+
+    /// Checks values and resolves defaults, collecting every problem rather
+    /// than stopping at the first.
+    pub fn check(self) -> Result<Settings, Vec<Problem>> {
+        let mut problems = Vec::new();
+        let mut problem = |at: &[&str], message: String| problems.push(Problem::new(at, message));
         if !(1..=1024).contains(&self.ring.depth) {
-            return Err(invalid(format!("[ring] depth = {} must be between 1 and 1024", self.ring.depth)));
+            problem(&["ring", "depth"], format!("[ring] depth = {} must be between 1 and 1024", self.ring.depth));
         }
         if self.limits.max_batch_size == 0 {
-            return Err(invalid("[limits] max_batch_size must be at least 1".into()));
+            problem(&["limits", "max_batch_size"], "[limits] max_batch_size must be at least 1".into());
         }
         if self.limits.max_message_bytes < 4096 || self.limits.max_message_bytes > stoker_proto::MAX_FRAME_BYTES {
-            return Err(invalid(format!(
-                "[limits] max_message_bytes = {} must be between 4096 and {}",
-                self.limits.max_message_bytes,
-                stoker_proto::MAX_FRAME_BYTES
-            )));
+            problem(
+                &["limits", "max_message_bytes"],
+                format!(
+                    "[limits] max_message_bytes = {} must be between 4096 and {}",
+                    self.limits.max_message_bytes,
+                    stoker_proto::MAX_FRAME_BYTES
+                ),
+            );
         }
         if !(self.limits.idle_close_s >= 0.0 && self.limits.idle_close_s <= 86_400.0) {
-            return Err(invalid(format!(
-                "[limits] idle_close_s = {} must be between 0 and 86400",
-                self.limits.idle_close_s
-            )));
+            problem(
+                &["limits", "idle_close_s"],
+                format!("[limits] idle_close_s = {} must be between 0 and 86400", self.limits.idle_close_s),
+            );
         }
         if self.limits.max_open_files == 0 {
-            return Err(invalid("[limits] max_open_files must be at least 1".into()));
+            problem(&["limits", "max_open_files"], "[limits] max_open_files must be at least 1".into());
         }
         for (name, ds) in &self.datasets {
             let ds = match ds {
                 DatasetConfig::Hdf5(ds) => ds,
                 DatasetConfig::Lmdb(ds) => {
                     if ds.fields.is_empty() {
-                        return Err(invalid(format!(
-                            "[datasets.{name}] has no fields; add [[datasets.{name}.fields]] tables with name, env and codec"
-                        )));
+                        problem(
+                            &["datasets", name],
+                            format!(
+                                "[datasets.{name}] has no fields; add [[datasets.{name}.fields]] tables with name, \
+                                 env and codec"
+                            ),
+                        );
                     }
-                    if let Some(f) = ds.fields.iter().find(|f| !Path::new(&f.env).is_absolute()) {
-                        return Err(invalid(format!(
-                            "[datasets.{name}] field {:?}: env = {:?} must be an absolute path",
-                            f.name, f.env
-                        )));
+                    for (i, f) in ds.fields.iter().enumerate() {
+                        if !Path::new(&f.env).is_absolute() {
+                            problem(
+                                &["datasets", name, "fields", &i.to_string(), "env"],
+                                format!(
+                                    "[datasets.{name}] field {:?}: env = {:?} must be an absolute path",
+                                    f.name, f.env
+                                ),
+                            );
+                        }
+                    }
+                    if let Some(key_file) = ds.key_file.as_ref().filter(|k| !Path::new(k).is_absolute()) {
+                        problem(
+                            &["datasets", name, "key_file"],
+                            format!("[datasets.{name}] key_file = {key_file:?} must be an absolute path"),
+                        );
                     }
                     continue;
                 }
             };
             if !Path::new(&ds.files).is_absolute() {
-                return Err(invalid(format!(
-                    "[datasets.{name}] files = {:?} must be an absolute path or glob",
-                    ds.files
-                )));
+                problem(
+                    &["datasets", name, "files"],
+                    format!("[datasets.{name}] files = {:?} must be an absolute path or glob", ds.files),
+                );
             }
             if let Some(w) = ds.window.filter(|w| w.size == 0 || w.stride == 0) {
-                return Err(invalid(format!(
-                    "[datasets.{name}] window size = {} and stride = {} must both be at least 1",
-                    w.size, w.stride
-                )));
+                problem(
+                    &["datasets", name, "window"],
+                    format!(
+                        "[datasets.{name}] window size = {} and stride = {} must both be at least 1",
+                        w.size, w.stride
+                    ),
+                );
             }
             if let Some(unknown) = ds.per_item.iter().find(|f| !ds.fields.contains_key(*f)) {
-                return Err(invalid(format!("[datasets.{name}] per_item names {unknown:?}, which is not in fields")));
+                problem(
+                    &["datasets", name, "per_item"],
+                    format!("[datasets.{name}] per_item names {unknown:?}, which is not in fields"),
+                );
+            } else if !ds.per_item.is_empty() && ds.window.is_none() {
+                problem(
+                    &["datasets", name, "per_item"],
+                    format!(
+                        "[datasets.{name}] per_item is set but there is no window; without a window every field \
+                         is per item (add window = {{ size = 4, stride = 1 }} or remove per_item)"
+                    ),
+                );
             }
             if ds.fields.is_empty() {
-                return Err(invalid(format!(
-                    "[datasets.{name}] fields is empty; map at least one field name to an HDF5 path, \
-                     e.g. fields = {{ x = \"data\" }}"
-                )));
+                problem(
+                    &["datasets", name, "fields"],
+                    format!(
+                        "[datasets.{name}] fields is empty; map at least one field name to an HDF5 path, \
+                         e.g. fields = {{ x = \"data\" }}"
+                    ),
+                );
             }
         }
         if self.limits.max_sample_bytes == 0 || self.limits.max_batch_bytes == 0 {
-            return Err(invalid("[limits] max_sample_bytes and max_batch_bytes must be at least 1".into()));
+            let key = if self.limits.max_sample_bytes == 0 { "max_sample_bytes" } else { "max_batch_bytes" };
+            problem(&["limits", key], "[limits] max_sample_bytes and max_batch_bytes must be at least 1".into());
         }
         let mut limits = self.limits;
         if limits.max_memory_bytes == 0 {
             limits.max_memory_bytes = physical_memory().map_or(u64::MAX, |bytes| bytes / 2);
         }
         if self.cache.chunk_bytes >= limits.max_memory_bytes {
-            return Err(invalid(format!(
-                "[cache] chunk_bytes = {} leaves nothing of the daemon's memory budget ([limits] max_memory_bytes = \
-                 {}) for the rings; lower it or raise the budget",
-                self.cache.chunk_bytes, limits.max_memory_bytes
-            )));
+            problem(
+                &["cache", "chunk_bytes"],
+                format!(
+                    "[cache] chunk_bytes = {} leaves nothing of the daemon's memory budget ([limits] \
+                     max_memory_bytes = {}) for the rings; lower it or raise the budget",
+                    self.cache.chunk_bytes, limits.max_memory_bytes
+                ),
+            );
         }
         let mut allowed_roots = Vec::new();
         for root in &self.server.allowed_roots {
@@ -403,43 +453,65 @@ impl Config {
         }
         let socket_gid = match &self.server.socket_group {
             None => None,
-            Some(g) => Some(resolve_group(g).ok_or_else(|| {
-                invalid(format!("[server] socket_group = {g:?} is neither a number nor a group in /etc/group"))
-            })?),
+            Some(g) => {
+                let gid = resolve_group(g);
+                if gid.is_none() {
+                    problem(
+                        &["server", "socket_group"],
+                        format!("[server] socket_group = {g:?} is neither a number nor a group in /etc/group"),
+                    );
+                }
+                gid
+            }
         };
         let socket_mode = match &self.server.socket_mode {
             Some(m) => match u32::from_str_radix(m.trim_start_matches("0o"), 8) {
                 Ok(mode) if mode <= 0o777 => mode,
                 _ => {
-                    return Err(invalid(format!(
-                        "[server] socket_mode = {m:?} must be octal permissions like \"0660\""
-                    )));
+                    problem(
+                        &["server", "socket_mode"],
+                        format!("[server] socket_mode = {m:?} must be octal permissions like \"0660\""),
+                    );
+                    0o600
                 }
             },
             None if socket_gid.is_some() => 0o660,
             None if !self.server.allowed_uids.is_empty() || !self.server.allowed_gids.is_empty() => 0o666,
             None => 0o600,
         };
-        let seconds = |key: &str, s: f64| {
+        let mut seconds = |key: &str, s: f64| {
             if s.is_finite() && s > 0.0 && s <= 3600.0 {
-                Ok(std::time::Duration::from_secs_f64(s))
+                std::time::Duration::from_secs_f64(s)
             } else {
-                Err(invalid(format!("[server] {key} = {s} must be between 0 and 3600 seconds")))
+                problem(&["server", key], format!("[server] {key} = {s} must be between 0 and 3600 seconds"));
+                std::time::Duration::ZERO
             }
         };
-        let frame_timeout = seconds("frame_timeout_s", self.server.frame_timeout_s)?;
-        let shutdown_grace = seconds("shutdown_grace_s", self.server.shutdown_grace_s)?;
+        let frame_timeout = seconds("frame_timeout_s", self.server.frame_timeout_s);
+        let shutdown_grace = seconds("shutdown_grace_s", self.server.shutdown_grace_s);
         if limits.max_connections == 0 || limits.max_connections_per_uid == 0 {
-            return Err(invalid("[limits] max_connections and max_connections_per_uid must be at least 1".into()));
+            let key = if limits.max_connections == 0 { "max_connections" } else { "max_connections_per_uid" };
+            problem(&["limits", key], "[limits] max_connections and max_connections_per_uid must be at least 1".into());
         }
         let metrics_listen = match &self.metrics.listen {
             None => None,
-            Some(addr) => Some(addr.parse().map_err(|_| {
-                invalid(format!(
-                    "[metrics] listen = {addr:?} must be an IP address and port, like \"127.0.0.1:9464\" or \"[::1]:9464\""
-                ))
-            })?),
+            Some(addr) => match addr.parse() {
+                Ok(addr) => Some(addr),
+                Err(_) => {
+                    problem(
+                        &["metrics", "listen"],
+                        format!(
+                            "[metrics] listen = {addr:?} must be an IP address and port, like \"127.0.0.1:9464\" or \
+                             \"[::1]:9464\""
+                        ),
+                    );
+                    None
+                }
+            },
         };
+        if !problems.is_empty() {
+            return Err(problems);
+        }
         let worker_threads = match self.workers.threads {
             0 => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             n => n,
@@ -462,6 +534,163 @@ impl Config {
             metrics_listen,
         })
     }
+}
+
+/// One problem found in a config: what is wrong, and the key or table it is
+/// about (for the line `stoker validate` prints with it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// Key path: tables, keys and array indices, e.g. `["datasets", "a", "fields", "1", "env"]`.
+    pub at: Vec<String>,
+    /// What is wrong and how to fix it.
+    pub message: String,
+}
+
+impl Problem {
+    fn new(at: &[&str], message: String) -> Problem {
+        Problem { at: at.iter().map(|s| s.to_string()).collect(), message }
+    }
+
+    /// The 1-based line in `text` (the config the problem was found in) of
+    /// the key it is about, or of the nearest enclosing table written there.
+    pub fn line(&self, text: &str) -> Option<usize> {
+        use toml::de::{DeTable, DeValue};
+        let doc = DeTable::parse(text).ok()?;
+        let mut span = None;
+        let mut table = Some(doc.get_ref());
+        let mut array: Option<&[toml::Spanned<DeValue<'_>>]> = None;
+        for seg in &self.at {
+            let value = if let Some(t) = table {
+                let Some((key, value)) = t.iter().find(|(k, _)| k.get_ref().as_ref() == seg.as_str()) else { break };
+                span = Some(key.span());
+                value
+            } else if let Some(items) = array {
+                let Some(value) = seg.parse::<usize>().ok().and_then(|i| items.get(i)) else { break };
+                span = Some(value.span());
+                value
+            } else {
+                break;
+            };
+            (table, array) = match value.get_ref() {
+                DeValue::Table(t) => (Some(t), None),
+                DeValue::Array(a) => (None, Some(&a[..])),
+                _ => (None, None),
+            };
+        }
+        let offset = span?.start;
+        Some(text.get(..offset)?.matches('\n').count() + 1)
+    }
+}
+
+impl Config {
+    /// Opens every named dataset as the daemon would when a client asks for
+    /// it (its files by handle, read-only; LMDB environments mapped without
+    /// the lock file), serving nothing: globs that match no file, files or
+    /// environments that do not open, missing fields and keys become
+    /// problems, one per dataset, plus one per LMDB environment or key file
+    /// that is missing. Used by `stoker validate`; the daemon opens datasets
+    /// on demand.
+    pub fn check_files(&self) -> Vec<Problem> {
+        let mut problems = Vec::new();
+        for (name, ds) in &self.datasets {
+            let problem = match ds {
+                DatasetConfig::Hdf5(ds) => self.check_hdf5(ds),
+                DatasetConfig::Lmdb(ds) => {
+                    let missing = check_lmdb_paths(ds);
+                    if missing.is_empty() {
+                        self.check_lmdb(ds)
+                    } else {
+                        for (at, message) in missing {
+                            let at: Vec<&str> =
+                                ["datasets", name].into_iter().chain(at.iter().map(String::as_str)).collect();
+                            problems.push(Problem::new(&at, format!("[datasets.{name}] {message}")));
+                        }
+                        None
+                    }
+                }
+            };
+            if let Some((at, message)) = problem {
+                let at: Vec<&str> = ["datasets", name].into_iter().chain(at.iter().map(String::as_str)).collect();
+                problems.push(Problem::new(&at, format!("[datasets.{name}] {message}")));
+            }
+        }
+        problems
+    }
+
+    /// Opens an HDF5 dataset's files and fields; the problem and the key it is about.
+    fn check_hdf5(&self, ds: &Hdf5DatasetConfig) -> Option<(Vec<String>, String)> {
+        use crate::source::SourceError;
+        use crate::source::hdf5::{self, Hdf5Source, Hdf5Spec, OpenFiles, Window};
+        let spec = Hdf5Spec {
+            files: ds.files.clone(),
+            fields: ds.fields.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            window: ds.window.map(|w| Window { size: w.size, stride: w.stride }),
+            per_item: ds.per_item.clone(),
+            fast_path: self.hdf5.fast_path,
+        };
+        let opened = hdf5::check_files(&spec, None).and_then(|files| {
+            let cache = std::sync::Arc::new(crate::cache::ChunkCache::new(0));
+            Hdf5Source::open(&spec, files, cache, OpenFiles::new(self.limits.max_open_files))
+        });
+        let e = opened.err()?;
+        let at = match &e {
+            SourceError::MissingField { field, .. }
+            | SourceError::Dtype { field, .. }
+            | SourceError::Inconsistent { field, .. } => vec!["fields".to_string(), field.clone()],
+            SourceError::Spec { .. } => Vec::new(),
+            _ => vec!["files".to_string()],
+        };
+        Some((at, e.to_string()))
+    }
+
+    /// Opens an LMDB dataset (environments, keys, probed values); the problem and the key it is about.
+    fn check_lmdb(&self, ds: &stoker_proto::LmdbDataset) -> Option<(Vec<String>, String)> {
+        use crate::source::{SourceError, lmdb::LmdbSource};
+        let mut spec = match crate::dataset::lmdb_spec(ds, None) {
+            Ok(spec) => spec,
+            Err((_, message)) => return Some((Vec::new(), message)),
+        };
+        spec.max_value_bytes = self.limits.max_sample_bytes;
+        let e = LmdbSource::open(&spec).err()?;
+        let field_at = |i: usize| vec!["fields".to_string(), i.to_string()];
+        let at = match &e {
+            SourceError::LmdbKeyFile { .. } => vec!["key_file".to_string()],
+            SourceError::LmdbField { field, .. } => {
+                ds.fields.iter().position(|f| &f.name == field).map_or_else(Vec::new, field_at)
+            }
+            SourceError::LmdbOpen { env, .. } | SourceError::LmdbEmpty { env, .. } => {
+                match ds.fields.iter().position(|f| Path::new(&f.env) == env) {
+                    Some(i) => [field_at(i), vec!["env".to_string()]].concat(),
+                    None => Vec::new(),
+                }
+            }
+            _ => Vec::new(),
+        };
+        Some((at, e.to_string()))
+    }
+}
+
+/// Every environment and key file of an LMDB dataset that cannot be opened
+/// (missing, unreadable, a directory without `data.mdb`), with the key naming it.
+fn check_lmdb_paths(ds: &stoker_proto::LmdbDataset) -> Vec<(Vec<String>, String)> {
+    use crate::fsaccess::{self, Want};
+    let mut missing = Vec::new();
+    for (i, f) in ds.fields.iter().enumerate() {
+        let opened = fsaccess::open(Path::new(&f.env), None, Want::FileOrDir)
+            .and_then(|env| if env.is_dir { fsaccess::open_in(&env, "data.mdb").map(drop) } else { Ok(()) });
+        if let Err(e) = opened {
+            missing.push((
+                vec!["fields".to_string(), i.to_string(), "env".to_string()],
+                format!("field {:?}: LMDB environment: {e}", f.name),
+            ));
+        }
+    }
+    if let Some(path) = &ds.key_file
+        && let Err(e) = fsaccess::open(Path::new(path), None, Want::File)
+    {
+        missing.push((vec!["key_file".to_string()], format!("key_file: {e}")));
+    }
+    missing
 }
 
 /// A group name (looked up in /etc/group; no NSS) or a numeric gid.
@@ -558,6 +787,33 @@ mod tests {
         assert_eq!(on.metrics_listen, Some("127.0.0.1:9464".parse().unwrap()));
         let err = parse("[metrics]\nlisten = \"localhost\"\n").unwrap_err().to_string();
         assert!(err.contains("[metrics] listen") && err.contains("localhost"), "{err}");
+    }
+
+    #[test]
+    fn every_problem_is_reported_with_the_line_of_its_key() {
+        let text = "[ring]\ndepth = 0\n\n[limits]\nmax_batch_size = 0\n\n[datasets.a]\nformat = \"hdf5\"\n\
+                    files = \"rel/*.h5\"\nfields = { x = \"x\" }\n\n[datasets.b]\nformat = \"lmdb\"\n\
+                    [[datasets.b.fields]]\nname = \"p\"\nenv = \"/abs\"\ncodec = \"png\"\n\
+                    [[datasets.b.fields]]\nname = \"q\"\nenv = \"rel\"\ncodec = \"png\"\n";
+        let problems = Config::parse(text, Path::new("c.toml")).unwrap().check().unwrap_err();
+        let lines: Vec<Option<usize>> = problems.iter().map(|p| p.line(text)).collect();
+        assert_eq!(lines, [Some(2), Some(5), Some(9), Some(20)], "{problems:#?}");
+        let msg = Config::parse(text, Path::new("c.toml")).unwrap().validate(Path::new("c.toml")).unwrap_err();
+        let msg = msg.to_string();
+        assert!(msg.contains("depth") && msg.contains("max_batch_size") && msg.contains("\"rel\""), "{msg}");
+    }
+
+    #[test]
+    fn problem_lines_fall_back_to_the_enclosing_table() {
+        let text = "[server]\nsocket = \"/s\"\n\n[cache]\n";
+        let at = |path: &[&str]| Problem::new(path, String::new()).line(text);
+        assert_eq!(at(&["server", "socket"]), Some(2));
+        assert_eq!(at(&["server", "socket_mode"]), Some(1), "a default: the table's line");
+        assert_eq!(at(&["cache", "chunk_bytes"]), Some(4));
+        assert_eq!(at(&["limits", "max_batch_size"]), None, "nothing written: no line");
+        let inline = "datasets.a = { format = \"hdf5\", files = \"x\",\n  fields = { y = \"y\" } }\n";
+        let p = Problem::new(&["datasets", "a", "fields", "y"], String::new());
+        assert_eq!(p.line(inline), Some(2));
     }
 
     #[test]

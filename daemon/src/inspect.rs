@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use hdf5::LocationType;
 use hdf5::datatype::ByteOrder;
@@ -106,48 +106,275 @@ pub fn is_lmdb(path: &Path) -> bool {
     path.join("data.mdb").is_file() || (path.is_file() && path.extension().is_some_and(|e| e == "mdb" || e == "lmdb"))
 }
 
-/// Scans an LMDB environment (the first `probe` sample values are decoded far enough to learn their shape).
-pub fn inspect_lmdb(path: &Path, probe: usize) -> anyhow::Result<crate::source::lmdb::EnvScan> {
-    Ok(crate::source::lmdb::scan(path, probe)?)
+/// One LMDB environment, as inspected.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LmdbReport {
+    /// The environment, as an absolute path.
+    pub env: PathBuf,
+    /// What is in it.
+    #[serde(flatten)]
+    pub scan: crate::source::lmdb::EnvScan,
+    /// Whether it was found beside the one asked about (an LR/HR partner).
+    pub found_beside: bool,
 }
 
-/// The human-readable LMDB report, with a suggested `[datasets.NAME]` table.
-pub fn format_lmdb_report(path: &Path, scan: &crate::source::lmdb::EnvScan) -> String {
+/// Scans LMDB environments given together (the first `probe` sample values
+/// of each are decoded far enough to learn their shapes). One environment
+/// whose name says `HR` or `LR` is scanned with its partner from the same
+/// directory (`DIV2K_train_HR_sub.lmdb` and `DIV2K_train_LR_bicubic_X4_sub.lmdb`).
+pub fn inspect_lmdb(paths: &[PathBuf], probe: usize) -> anyhow::Result<Vec<LmdbReport>> {
+    let mut envs: Vec<(PathBuf, bool)> = paths.iter().map(|p| (absolute(p), false)).collect();
+    if let [(only, _)] = envs.as_slice()
+        && let Some(partner) = partners(only).into_iter().next()
+    {
+        envs.push((partner, true));
+    }
+    envs.into_iter()
+        .map(|(env, found_beside)| Ok(LmdbReport { scan: crate::source::lmdb::scan(&env, probe)?, env, found_beside }))
+        .collect()
+}
+
+/// `path` as an absolute path (symlinks resolved where it exists).
+fn absolute(path: &Path) -> PathBuf {
+    path.canonicalize().or_else(|_| std::path::absolute(path)).unwrap_or_else(|_| path.to_owned())
+}
+
+/// The lowercase alphanumeric words of a file name (`DIV2K_train_HR_sub.lmdb` → div2k, train, hr, sub, lmdb).
+fn words(name: &Path) -> Vec<String> {
+    let name = name.file_name().map(|n| n.to_string_lossy().to_lowercase()).unwrap_or_default();
+    name.split(|c: char| !c.is_ascii_alphanumeric()).filter(|w| !w.is_empty()).map(str::to_string).collect()
+}
+
+/// LMDB environments beside `env` that are its LR/HR partner: the other
+/// resolution's name has every word of this one's, with `hr` and `lr`
+/// swapped, plus words of its own (`bicubic`, `x4`). Sorted by name.
+fn partners(env: &Path) -> Vec<PathBuf> {
+    let mine = words(env);
+    let swap = |w: &String| match w.as_str() {
+        "hr" => "lr".to_string(),
+        "lr" => "hr".to_string(),
+        _ => w.clone(),
+    };
+    let is_hr = mine.iter().any(|w| w == "hr");
+    if !is_hr && !mine.iter().any(|w| w == "lr") {
+        return Vec::new();
+    }
+    let Some(Ok(dir)) = env.parent().map(std::fs::read_dir) else { return Vec::new() };
+    let mut found: Vec<PathBuf> = dir
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p != env && is_lmdb(p))
+        .filter(|p| {
+            let theirs = words(p);
+            if is_hr {
+                mine.iter().map(swap).all(|w| theirs.contains(&w))
+            } else {
+                theirs.iter().any(|w| w == "hr") && theirs.iter().map(swap).all(|w| mine.contains(&w))
+            }
+        })
+        .collect();
+    found.sort();
+    found
+}
+
+/// A TOML string holding `s`.
+fn quote(s: &str) -> String {
+    toml::Value::String(s.to_string()).to_string()
+}
+
+/// `s` as a TOML bare key: letters, digits and `_` (anything else becomes `_`).
+fn bare_key(s: &str, fallback: &str) -> String {
+    let key: String = s.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' }).collect();
+    if key.is_empty() { fallback.to_string() } else { key }
+}
+
+/// The name stem of a dataset at `path` (`DIV2K_train_HR_sub.lmdb` → `DIV2K_train_HR_sub`).
+fn stem(path: &Path) -> String {
+    bare_key(&path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default(), "data")
+}
+
+/// How two environments pair: the low-resolution one, the high-resolution
+/// one, and the size ratio every probed key agrees on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Pairing {
+    lr: usize,
+    hr: usize,
+    scale: u64,
+}
+
+/// The LR/HR pairing among `envs`: two environments whose values under the
+/// same keys are images of the same channels whose height and width differ
+/// by one integer factor ≥ 2.
+fn pairing(envs: &[LmdbReport]) -> Option<Pairing> {
+    let ratio = |small: &[u64], big: &[u64]| -> Option<u64> {
+        let ([sh, sw, rest_s @ ..], [bh, bw, rest_b @ ..]) = (small, big) else { return None };
+        let scale = bh.checked_div(*sh)?;
+        (scale >= 2 && *bh == scale * sh && *bw == scale.checked_mul(*sw)? && rest_s == rest_b).then_some(scale)
+    };
+    for (a, ea) in envs.iter().enumerate() {
+        for (b, eb) in envs.iter().enumerate() {
+            let mut scale = None;
+            let mut agree = true;
+            for (key, small) in &ea.scan.probed_shapes {
+                let Some((_, big)) = eb.scan.probed_shapes.iter().find(|(k, _)| k == key) else { continue };
+                match (ratio(small, big), scale) {
+                    (Some(r), None) => scale = Some(r),
+                    (Some(r), Some(s)) if r == s => {}
+                    _ => agree = false,
+                }
+            }
+            if let (true, Some(scale)) = (agree, scale)
+                && a != b
+            {
+                return Some(Pairing { lr: a, hr: b, scale });
+            }
+        }
+    }
+    None
+}
+
+/// A BasicSR `meta_info.txt` beside (inside the directory of) `env`, and the keys it lists.
+fn meta_info(env: &Path) -> Option<(PathBuf, usize)> {
+    let dir = if env.is_dir() { env } else { env.parent()? };
+    let path = dir.join("meta_info.txt");
+    // Read a bounded prefix: only the line count is reported.
+    let file = std::fs::File::open(&path).ok()?;
+    if !file.metadata().ok()?.is_file() {
+        return None;
+    }
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut std::io::Read::take(file, 64 << 20), &mut text).ok()?;
+    Some((path, text.lines().filter(|l| !l.trim().is_empty()).count()))
+}
+
+/// The human-readable LMDB report, with a suggested `[datasets.NAME]` table
+/// (one field per environment; an LR/HR pair as `lr` and `hr`).
+pub fn format_lmdb_report(envs: &[LmdbReport]) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "{} (LMDB)", path.display());
-    let _ = writeln!(out, "  entries        {}", scan.entries);
-    if !scan.metadata_keys.is_empty() {
-        let _ = writeln!(out, "  metadata keys  {} (skipped by default)", scan.metadata_keys.join(", "));
+    for r in envs {
+        let scan = &r.scan;
+        let beside = if r.found_beside { ", found beside the one given" } else { "" };
+        let _ = writeln!(out, "{} (LMDB{beside})", r.env.display());
+        let _ = writeln!(out, "  entries        {}", scan.entries);
+        if !scan.metadata_keys.is_empty() {
+            let _ = writeln!(out, "  metadata keys  {} (skipped by default)", scan.metadata_keys.join(", "));
+        }
+        let list = |v: &[(String, u64)]| v.iter().map(|(k, n)| format!("{k} ×{n}")).collect::<Vec<_>>().join(", ");
+        let _ = writeln!(out, "  key patterns   {}", list(&scan.key_patterns));
+        let _ = writeln!(out, "  keys           {}", scan.first_keys.join(", "));
+        let _ = writeln!(out, "  formats        {} (first {} values)", list(&scan.formats), scan.probed);
+        let _ = writeln!(out, "  decoded        {}", list(&scan.shapes));
     }
-    let list = |v: &[(String, u64)]| v.iter().map(|(k, n)| format!("{k} ×{n}")).collect::<Vec<_>>().join(", ");
-    let _ = writeln!(out, "  key patterns   {}", list(&scan.key_patterns));
-    let _ = writeln!(out, "  keys           {}", scan.first_keys.join(", "));
-    let _ = writeln!(out, "  formats        {} (first {} values)", list(&scan.formats), scan.probed);
-    let _ = writeln!(out, "  decoded        {}", list(&scan.shapes));
-    let codec = scan.formats.first().map_or("raw", |(f, _)| f.as_str());
-    let stem =
-        path.file_stem().map_or("data".into(), |s| s.to_string_lossy().replace(|c: char| !c.is_alphanumeric(), "_"));
+    let Some(first) = envs.first() else { return out };
+    let pair = pairing(envs);
+    // Fields: lr and hr for a pair, else one per environment named by its stem ("x" when alone).
+    let mut names: Vec<String> = Vec::new();
+    for (i, r) in envs.iter().enumerate() {
+        let base = match pair {
+            Some(p) if p.lr == i => "lr".to_string(),
+            Some(p) if p.hr == i => "hr".to_string(),
+            _ if envs.len() == 1 => "x".to_string(),
+            _ => stem(&r.env).to_lowercase(),
+        };
+        let mut name = base.clone();
+        let mut n = 2;
+        while names.contains(&name) {
+            name = format!("{base}_{n}");
+            n += 1;
+        }
+        names.push(name);
+    }
+    // The leader first: a pair's LR, then the rest in the order given.
+    let mut order: Vec<usize> = (0..envs.len()).collect();
+    if let Some(p) = pair {
+        order.retain(|&i| i != p.lr);
+        order.insert(0, p.lr);
+    }
+    let dataset = match pair {
+        Some(p) => stem(&envs[p.hr].env),
+        None => stem(&first.env),
+    };
+    // BasicSR writes meta_info.txt into each environment; the HR one's lists the pairs.
+    let key_file =
+        pair.and_then(|p| meta_info(&envs[p.hr].env)).or_else(|| order.iter().find_map(|&i| meta_info(&envs[i].env)));
     let _ = writeln!(out, "\nsuggested config:\n");
-    let _ = writeln!(out, "[datasets.{stem}]\nformat = \"lmdb\"");
-    let _ = writeln!(
-        out,
-        "\n[[datasets.{stem}.fields]]\nname = \"x\"\nenv = {:?}\ncodec = {codec:?}",
-        path.display().to_string()
-    );
-    if scan.shapes.len() > 1 {
+    let _ = writeln!(out, "[datasets.{dataset}]\nformat = \"lmdb\"");
+    if let Some((path, keys)) = &key_file {
         let _ = writeln!(
             out,
-            "# values differ in shape: without a transform that fixes it the field arrives as a list of arrays;\n\
-             # e.g. transforms = [{{ random_crop = {{ height = 224, width = 224 }} }}, \"hflip\", {{ to_f32 = {{ scale = 0.00392156862745098 }} }}, \"chw\"]"
+            "key_file = {}   # BasicSR meta_info.txt: {keys} samples, in its order",
+            quote(&path.display().to_string())
         );
     }
-    if codec.contains('?') || codec == "unknown" {
+    if envs.iter().any(|r| r.found_beside) {
+        let _ = writeln!(out, "# the LR/HR partner was found beside the environment given; check it is the right one");
+    }
+    if let Some(p) = pair {
+        let others: Vec<String> = partners(&envs[p.lr].env)
+            .iter()
+            .filter(|o| **o != envs[p.hr].env)
+            .map(|o| o.display().to_string())
+            .collect();
+        let _ = writeln!(out, "# LR/HR pair: every probed key's HR image is {}× its LR image", p.scale);
+        if !others.is_empty() {
+            let _ = writeln!(out, "# other HR environments beside the LR one: {}", others.join(", "));
+        }
+    }
+    for &i in &order {
+        let r = &envs[i];
+        let codec = r.scan.formats.first().map_or("raw", |(f, _)| f.as_str());
         let _ = writeln!(
             out,
-            "# format not recognised: use codec = \"raw\" with dtype and shape if values are plain arrays"
+            "\n[[datasets.{dataset}.fields]]\nname = {}\nenv = {}\ncodec = {}",
+            quote(&names[i]),
+            quote(&r.env.display().to_string()),
+            quote(codec)
         );
+        if let Some(p) = pair.filter(|p| p.hr == i) {
+            let _ = writeln!(out, "pair = {{ with = {}, scale = {} }}", quote(&names[p.lr]), p.scale);
+        }
+        if let Some(p) = pair {
+            let crop = if p.hr == i { 32 * p.scale } else { 32 };
+            let _ = writeln!(
+                out,
+                "# transforms = [{{ random_crop = {{ height = {crop}, width = {crop} }} }}, \"hflip\"]   \
+                 # paired crops: the HR crop is {}× the LR crop",
+                p.scale
+            );
+        } else if r.scan.shapes.len() > 1 {
+            let _ = writeln!(
+                out,
+                "# values differ in shape: without a transform that fixes it the field arrives as a list of arrays;\n\
+                 # e.g. transforms = [{{ random_crop = {{ height = 224, width = 224 }} }}, \"hflip\", {{ to_f32 = {{ scale = 0.00392156862745098 }} }}, \"chw\"]"
+            );
+        }
+        if codec.contains('?') || codec == "unknown" {
+            let _ = writeln!(
+                out,
+                "# format not recognised: use codec = \"raw\" with dtype and shape if values are plain arrays"
+            );
+        }
     }
     out
+}
+
+/// Where samples run along time: the length of axis 1 shared by the
+/// time-varying fields of `group`, when the file says it is a time series
+/// (The Well's `t0_fields`/`t1_fields`/`t2_fields` groups, or a 1-D dataset
+/// named `time` as long as axis 1 of some field).
+fn time_axis(all: &[DatasetReport], group: &[&DatasetReport], well: bool) -> Option<u64> {
+    let mut counts: BTreeMap<u64, usize> = BTreeMap::new();
+    for r in group.iter().filter(|r| r.shape.len() >= 3) {
+        *counts.entry(r.shape[1]).or_default() += 1;
+    }
+    let times: Vec<u64> = all
+        .iter()
+        .filter(|r| r.shape.len() == 1 && r.path.rsplit('/').next().is_some_and(|n| n == "time" || n == "t"))
+        .map(|r| r.shape[0])
+        .collect();
+    // A length a `time` dataset names wins; else the commonest (longest on a tie) in a Well file.
+    let named = counts.keys().copied().filter(|len| times.contains(len)).max_by_key(|len| (counts[len], *len));
+    let commonest = counts.iter().max_by_key(|(len, n)| (**n, **len)).map(|(len, _)| *len);
+    named.or(if well { commonest } else { None })
 }
 
 /// The human-readable report, with a suggested `[datasets.NAME]` table.
@@ -175,38 +402,69 @@ pub fn format_report(file: &Path, reports: &[DatasetReport]) -> String {
             r.read_path
         );
     }
-    // Suggest the servable datasets sharing the most common first-axis length.
+    // The Well keeps its fields in t0_fields/t1_fields/t2_fields; dimensions,
+    // boundary_conditions and scalars describe them and are not samples.
+    let is_well_field =
+        |r: &DatasetReport| ["t0_fields/", "t1_fields/", "t2_fields/"].iter().any(|g| r.path.starts_with(g));
+    let well = reports.iter().any(is_well_field);
+    // Suggest the servable datasets sharing a first-axis length: the length
+    // most datasets with more than one axis share (1-D datasets are often
+    // coordinates), then the most datasets, then the longest.
     let mut by_len: BTreeMap<u64, Vec<&DatasetReport>> = BTreeMap::new();
-    for r in reports.iter().filter(|r| r.servable) {
+    for r in reports.iter().filter(|r| r.servable && (!well || is_well_field(r))) {
         by_len.entry(r.shape[0]).or_default().push(r);
     }
-    let Some((&len, group)) = by_len.iter().max_by_key(|(len, g)| (g.len(), **len)) else {
+    let Some((&len, group)) =
+        by_len.iter().max_by_key(|(len, g)| (g.iter().filter(|r| r.shape.len() >= 2).count(), g.len(), **len))
+    else {
         let _ = writeln!(out, "\nno numeric datasets: nothing stoker can serve");
         return out;
     };
-    let stem =
-        file.file_stem().map_or("data".into(), |s| s.to_string_lossy().replace(|c: char| !c.is_alphanumeric(), "_"));
-    let dir = file.parent().map_or(".".into(), |d| d.display().to_string());
+    let file = absolute(file);
+    let stem = stem(&file);
+    // Every file of the directory with this one's extension.
+    let dir = glob::Pattern::escape(&file.parent().map_or("/".into(), |d| d.display().to_string()));
+    let files = match file.extension() {
+        Some(ext) => format!("{}/*.{}", dir.trim_end_matches('/'), glob::Pattern::escape(&ext.to_string_lossy())),
+        None => glob::Pattern::escape(&file.display().to_string()),
+    };
     let mut names: Vec<String> = Vec::new();
     let mut fields = Vec::new();
     for r in group {
-        let base: String =
-            r.path.rsplit('/').next().unwrap_or(&r.path).replace(|c: char| !c.is_alphanumeric() && c != '_', "_");
+        let base = bare_key(r.path.rsplit('/').next().unwrap_or(&r.path), "x");
         let mut name = base.clone();
         let mut n = 2;
         while names.contains(&name) {
             name = format!("{base}_{n}");
             n += 1;
         }
-        fields.push(format!("{name} = {:?}", r.path));
+        fields.push(format!("{name} = {}", quote(&r.path)));
         names.push(name);
     }
+    let time = time_axis(reports, group, well);
+    // Fields without the time axis (or whose axis 1 is not it) are delivered whole per item.
+    let per_item: Vec<&String> = match time {
+        Some(t) => {
+            names.iter().zip(group).filter(|(_, r)| r.shape.len() < 2 || r.shape[1] != t).map(|(n, _)| n).collect()
+        }
+        None => Vec::new(),
+    };
+    let windowed = time.filter(|_| per_item.len() < group.len());
     let _ = writeln!(out, "\nsuggested config ({} datasets with {len} items along axis 0):\n", group.len());
     let _ = writeln!(out, "[datasets.{stem}]");
     let _ = writeln!(out, "format = \"hdf5\"");
-    let _ = writeln!(out, "files = \"{dir}/*.h5\"");
+    let _ = writeln!(out, "files = {}", quote(&files));
     let _ = writeln!(out, "fields = {{ {} }}", fields.join(", "));
-    if group.iter().any(|r| r.shape.len() >= 3) {
+    if let Some(t) = windowed {
+        let _ =
+            writeln!(out, "# a time series of {t} steps along axis 1: each sample is a window of consecutive steps");
+        let _ = writeln!(out, "window = {{ size = {}, stride = 1 }}", t.min(4));
+        if !per_item.is_empty() {
+            let list: Vec<String> = per_item.iter().map(|n| quote(n)).collect();
+            let _ = writeln!(out, "# fields without the time axis, delivered whole with every window");
+            let _ = writeln!(out, "per_item = [{}]", list.join(", "));
+        }
+    } else if group.iter().any(|r| r.shape.len() >= 3) {
         let _ = writeln!(
             out,
             "# time series ([item, time, ...]): samples can be windows along axis 1, e.g.\n\
@@ -214,4 +472,95 @@ pub fn format_report(file: &Path, reports: &[DatasetReport]) -> String {
         );
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(dir: &Path, name: &str) -> PathBuf {
+        let path = dir.join(name);
+        std::fs::create_dir(&path).unwrap();
+        std::fs::write(path.join("data.mdb"), b"").unwrap();
+        path
+    }
+
+    #[test]
+    fn lr_and_hr_environments_find_each_other() {
+        let dir = tempfile::tempdir().unwrap();
+        let hr = env(dir.path(), "DIV2K_train_HR_sub.lmdb");
+        let x4 = env(dir.path(), "DIV2K_train_LR_bicubic_X4_sub.lmdb");
+        let x2 = env(dir.path(), "DIV2K_train_LR_bicubic_X2_sub.lmdb");
+        env(dir.path(), "DIV2K_valid_LR_bicubic_X4_sub.lmdb");
+        env(dir.path(), "labels.lmdb");
+        assert_eq!(partners(&hr), [x2.clone(), x4.clone()]);
+        assert_eq!(partners(&x4), std::slice::from_ref(&hr));
+        assert!(partners(&dir.path().join("labels.lmdb")).is_empty());
+    }
+
+    fn report(shapes: &[(&str, &[u64])]) -> LmdbReport {
+        let scan = crate::source::lmdb::EnvScan {
+            probed_shapes: shapes.iter().map(|(k, s)| (k.as_bytes().to_vec(), s.to_vec())).collect(),
+            ..Default::default()
+        };
+        LmdbReport { env: PathBuf::from("/e"), scan, found_beside: false }
+    }
+
+    #[test]
+    fn pairing_needs_one_integer_scale_for_every_shared_key() {
+        let lr = report(&[("a", &[6, 7, 3]), ("b", &[8, 9, 3])]);
+        let hr = report(&[("a", &[24, 28, 3]), ("b", &[32, 36, 3])]);
+        assert_eq!(pairing(&[hr.clone(), lr.clone()]), Some(Pairing { lr: 1, hr: 0, scale: 4 }));
+        let mixed = report(&[("a", &[24, 28, 3]), ("b", &[16, 18, 3])]);
+        assert_eq!(pairing(&[lr.clone(), mixed]), None, "4× for one key, 2× for another");
+        let gray = report(&[("a", &[24, 28, 1]), ("b", &[32, 36, 1])]);
+        assert_eq!(pairing(&[lr.clone(), gray]), None, "channels differ");
+        let same = report(&[("a", &[6, 7, 3])]);
+        assert_eq!(pairing(&[lr, same]), None, "same size is no pair");
+    }
+
+    fn dataset(path: &str, shape: &[u64]) -> DatasetReport {
+        DatasetReport {
+            path: path.into(),
+            shape: shape.to_vec(),
+            dtype: "float32".into(),
+            servable: true,
+            byte_order: "little".into(),
+            layout: "contiguous".into(),
+            chunks: None,
+            filters: Vec::new(),
+            read_path: "fast path".into(),
+        }
+    }
+
+    #[test]
+    fn the_well_suggests_a_window_and_its_constants_per_item() {
+        let reports = [
+            dataset("dimensions/time", &[20]),
+            dataset("dimensions/x", &[4]),
+            dataset("boundary_conditions/x/mask", &[4]),
+            dataset("t0_fields/density", &[4, 20, 16, 16]),
+            dataset("t0_fields/mask", &[4, 16, 16]),
+            dataset("t1_fields/velocity", &[4, 20, 16, 16, 2]),
+        ];
+        let out = format_report(Path::new("/data/well/train/a.hdf5"), &reports);
+        let table = out.split_once("suggested config").unwrap().1.split_once('\n').unwrap().1;
+        let parsed: toml::Table = toml::from_str(table).unwrap();
+        let ds = &parsed["datasets"]["a"];
+        assert_eq!(ds["files"].as_str(), Some("/data/well/train/*.hdf5"));
+        assert_eq!(ds["fields"].as_table().unwrap().len(), 3, "{table}");
+        assert_eq!(ds["per_item"].as_array().unwrap(), &[toml::Value::from("mask")]);
+        assert_eq!(ds["window"]["size"].as_integer(), Some(4));
+    }
+
+    #[test]
+    fn images_and_labels_get_no_window() {
+        let reports = [dataset("images", &[100, 32, 32]), dataset("labels", &[100])];
+        let out = format_report(Path::new("/d/[x]/a.h5"), &reports);
+        let table = out.split_once("suggested config").unwrap().1.split_once('\n').unwrap().1;
+        let parsed: toml::Table = toml::from_str(table).unwrap();
+        let ds = &parsed["datasets"]["a"];
+        assert!(ds.get("window").is_none(), "{table}");
+        assert_eq!(ds["files"].as_str(), Some("/d/[[]x[]]/*.h5"), "glob characters in the directory are escaped");
+    }
 }

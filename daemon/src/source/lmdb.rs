@@ -890,6 +890,9 @@ pub struct EnvScan {
     pub shapes: Vec<(String, u64)>,
     /// Values probed (the first ones in key order).
     pub probed: u64,
+    /// Each probed key with its decoded shape (for pairing environments by image size).
+    #[serde(skip)]
+    pub probed_shapes: Vec<(Vec<u8>, Vec<u64>)>,
 }
 
 /// Scans an environment for `stoker inspect`: counts keys, sniffs the
@@ -940,6 +943,7 @@ pub fn scan(path: &Path, probe: usize) -> Result<EnvScan, SourceError> {
             *formats.entry(format).or_default() += 1;
             if let Some(info) = info {
                 *shapes.entry(info.to_string()).or_default() += 1;
+                scan.probed_shapes.push((key.to_vec(), info.shape));
             }
         }
     }
