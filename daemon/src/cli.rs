@@ -160,9 +160,9 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 /// restart); an answer that no retry changes (this uid is not served, a
 /// protocol mismatch, a bad config file) fails at once.
 fn status_waiting(target: &Target, seconds: f64) -> anyhow::Result<StatusReport> {
+    use std::time::{Duration, Instant};
     use stoker_client::ClientError;
     use stoker_proto::ErrorKind;
-    use std::time::{Duration, Instant};
     let within = Duration::try_from_secs_f64(seconds)
         .map_err(|_| anyhow::anyhow!("--wait takes a number of seconds >= 0, not {seconds}"))?;
     let path = match (&target.socket, &target.config) {
@@ -170,7 +170,8 @@ fn status_waiting(target: &Target, seconds: f64) -> anyhow::Result<StatusReport>
         (None, Some(c)) => Config::load(c)?.server.socket,
         (None, None) => Client::default_socket(),
     };
-    let deadline = Instant::now().checked_add(within).ok_or_else(|| anyhow::anyhow!("--wait {seconds} s is too long"))?;
+    let deadline =
+        Instant::now().checked_add(within).ok_or_else(|| anyhow::anyhow!("--wait {seconds} s is too long"))?;
     let mut past = || Instant::now() >= deadline;
     loop {
         // A daemon that accepts but does not answer (still starting, or stopped)
