@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything stoker needs on a fresh Debian machine and builds it:
-# libhdf5-dev (apt), a virtualenv at .venv with maturin/numpy/h5py/pytest,
+# libhdf5-dev and systemd (apt; `systemd-analyze verify` checks the unit in
+# config/systemd/), a virtualenv at .venv with maturin/numpy/h5py/pytest,
 # the release `stoker` binary, and the Python client (`stoker` package).
 # Idempotent: quick when everything is already there.
 set -euo pipefail
@@ -9,6 +10,8 @@ cd "$(dirname "$0")/.."
 need_apt=()
 dpkg -s libhdf5-dev >/dev/null 2>&1 || need_apt+=(libhdf5-dev)
 dpkg -s pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
+# systemd-analyze/-sysusers/-tmpfiles for the deploy tests (client-py/tests/test_deploy.py).
+command -v systemd-analyze >/dev/null 2>&1 || need_apt+=(systemd)
 # Debian's own python3 needs python3-venv for `python3 -m venv` (pyenv/conda builds have it).
 python3 -c "import ensurepip, venv" >/dev/null 2>&1 || need_apt+=(python3-venv)
 if [ ${#need_apt[@]} -gt 0 ]; then

@@ -72,6 +72,10 @@ enum Command {
         /// Redraw every SECONDS (2 if not given) until Ctrl-C; with --json, one JSON object per line.
         #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "2")]
         watch: Option<f64>,
+        /// Wait up to SECONDS (60 when no value is given) for a daemon that is not answering yet,
+        /// e.g. one just started; exits 1 if none answers in time.
+        #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "60")]
+        wait: Option<f64>,
     },
     /// List the datasets named in the running daemon's config.
     Datasets {
@@ -163,7 +167,12 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Status { target, json, watch } => status(&target, json, watch),
+        Command::Status { target, json, watch, wait } => {
+            if let Some(seconds) = wait {
+                status_waiting(&target, seconds)?;
+            }
+            status(&target, json, watch)
+        }
         Command::Datasets { target, json } => {
             let list = target.connect()?.datasets()?;
             if json {
@@ -221,6 +230,59 @@ fn validate(file: &Path, open_files: bool) -> anyhow::Result<ExitCode> {
     println!("  allowed roots   {:?}", settings.allowed_roots);
     println!("  datasets        {:?}", settings.datasets.keys().collect::<Vec<_>>());
     Ok(ExitCode::SUCCESS)
+}
+
+/// `stoker status --wait`: asks for the status until a daemon answers or
+/// `seconds` have passed. Connection failures are retried (nothing listening
+/// yet, the socket not yet given its mode, a daemon draining before a
+/// restart); an answer that no retry changes (this uid is not served, a
+/// protocol mismatch, a bad config file) fails at once.
+fn status_waiting(target: &Target, seconds: f64) -> anyhow::Result<StatusReport> {
+    use std::time::{Duration, Instant};
+    use stoker_client::ClientError;
+    use stoker_proto::ErrorKind;
+    let within = Duration::try_from_secs_f64(seconds)
+        .map_err(|_| anyhow::anyhow!("--wait takes a number of seconds >= 0, not {seconds}"))?;
+    let path = match (&target.socket, &target.config) {
+        (Some(s), _) => s.clone(),
+        (None, Some(c)) => Config::load(c)?.server.socket,
+        (None, None) => Client::default_socket(),
+    };
+    let deadline =
+        Instant::now().checked_add(within).ok_or_else(|| anyhow::anyhow!("--wait {seconds} s is too long"))?;
+    let mut past = || Instant::now() >= deadline;
+    loop {
+        // A daemon that accepts but does not answer (still starting, or stopped)
+        // must not hold the wait past its deadline.
+        let error = match Client::connect_interruptible(&path, &mut past).and_then(|c| c.status()) {
+            Ok(report) => return Ok(report),
+            Err(e) => e,
+        };
+        let retry = match &error {
+            ClientError::Unavailable { .. }
+            | ClientError::SocketDenied { .. }
+            | ClientError::Disconnected(_)
+            | ClientError::Io(_)
+            | ClientError::Interrupted => true,
+            ClientError::Daemon { kind, .. } => *kind == ErrorKind::ShuttingDown,
+            _ => false,
+        };
+        if !retry {
+            return Err(error.into());
+        }
+        if past() {
+            if matches!(error, ClientError::Interrupted) {
+                anyhow::bail!(
+                    "the stoker daemon at {} accepted the connection but did not answer within {seconds} s \
+                     (stopped, or overloaded?)",
+                    path.display()
+                );
+            }
+            return Err(anyhow::Error::new(error)
+                .context(format!("no stoker daemon answered at {} within {seconds} s", path.display())));
+        }
+        std::thread::sleep(Duration::from_millis(100).min(deadline.saturating_duration_since(Instant::now())));
+    }
 }
 
 fn serve(
