@@ -51,8 +51,7 @@ def frame(body: bytes) -> bytes:
     return struct.pack("<I", len(body)) + body
 
 
-def hello() -> bytes:
-    client = b"raw-test"
+def hello(client: bytes = b"raw-test") -> bytes:
     return frame(varint(0) + varint(PROTOCOL_VERSION) + varint(len(client)) + client + b"\x00")
 
 
@@ -371,6 +370,9 @@ def test_refused_uid_is_always_told_access_denied(keyed_daemon) -> None:
         assert res.returncode != 0
         assert "not allowed" in res.stderr and "stopped or restarted" not in res.stderr, res.stderr
     assert d.alive()
+    # A refused user reconnecting in a loop does not flood the daemon's log.
+    refusals = d.stderr().count("refused: uid not allowed")
+    assert 1 <= refusals <= 3, f"{refusals} refusal warnings for 20 refused connections"
 
 
 def test_connect_without_permission_names_the_socket(keyed_daemon) -> None:
@@ -463,6 +465,18 @@ def test_a_started_message_must_finish_in_time(keyed_daemon, stoker, data) -> No
     assert kind == "Protocol" and "frame_timeout_s" in message
     with pytest.raises((EOFError, ConnectionResetError)):
         read_reply(slow, timeout=15)
+    assert d.alive()
+
+
+def test_a_huge_client_name_is_not_logged_whole(keyed_daemon) -> None:
+    d = keyed_daemon()
+    before = len(d.stderr())
+    s = raw_connect(d.socket)
+    s.sendall(hello(b"x" * 500_000))
+    assert read_reply(s)[0] == 0
+    s.close()
+    poll(lambda: "disconnected" in d.stderr()[before:], timeout=10)
+    assert len(d.stderr()) - before < 4000
     assert d.alive()
 
 

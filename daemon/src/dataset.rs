@@ -148,7 +148,14 @@ impl Datasets {
             (Resolved::Lmdb(spec), Files::Lmdb(checked, _)) => {
                 Arc::new(LmdbSource::open_checked(&spec, &checked).map_err(refuse)?)
             }
-            _ => unreachable!("open_files answers in the format it was asked"),
+            // `open_files` answers in the format it was asked; a mismatch is a
+            // bug, and costs this open, never the daemon.
+            _ => {
+                return Err((
+                    ErrorKind::Internal,
+                    format!("dataset {label}: files opened for another format than the dataset's; please report this"),
+                ));
+            }
         };
         tracing::info!(dataset = %label, samples = source.len(), "opened dataset");
         let opened = Opened { label, source };

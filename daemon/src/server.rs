@@ -62,6 +62,9 @@ pub struct Daemon {
     connected: Mutex<HashMap<u64, Instant>>,
     /// Open connections: in total, and per uid.
     admitted: Mutex<(usize, HashMap<u32, usize>)>,
+    /// Refused connections are logged at most once per [`WARN_EVERY`]: a
+    /// refused peer reconnecting in a loop must not flood the log.
+    refusals: Mutex<Throttle>,
     next_id: AtomicU64,
     own_uid: u32,
     metrics: crate::metrics::Metrics,
@@ -112,6 +115,7 @@ impl Daemon {
             streams: Mutex::new(BTreeMap::new()),
             connected: Mutex::new(HashMap::new()),
             admitted: Mutex::new((0, HashMap::new())),
+            refusals: Mutex::new(Throttle::default()),
             next_id: AtomicU64::new(1),
             own_uid: rustix::process::getuid().as_raw(),
             metrics: crate::metrics::Metrics::default(),
@@ -512,7 +516,9 @@ async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: u64, mut st
         }
     };
     if !daemon.allows(uid, gid, pid) {
-        tracing::warn!(uid, pid, "refused: uid not allowed");
+        if let Some(suppressed) = lock(&daemon.refusals).allow() {
+            tracing::warn!(uid, pid, suppressed, "refused: uid not allowed");
+        }
         let msg = format!(
             "uid {uid} is not allowed to use this daemon; the admin can add it to [server] allowed_uids \
              (or its group to allowed_gids)"
@@ -523,7 +529,9 @@ async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: u64, mut st
     let _admission = match daemon.admit(uid) {
         Ok(a) => a,
         Err(msg) => {
-            tracing::warn!(uid, pid, "refused: {msg}");
+            if let Some(suppressed) = lock(&daemon.refusals).allow() {
+                tracing::warn!(uid, pid, suppressed, "refused: {msg}");
+            }
             refuse(sock, ErrorKind::Limit, msg, settings.frame_timeout).await;
             return;
         }
@@ -718,7 +726,7 @@ impl Connection {
                     return Err(());
                 }
                 let job = job.filter(|j| j.len() <= 64 && j.chars().all(|c| c.is_ascii_graphic()));
-                tracing::info!(uid = self.uid, pid = self.pid, job = job.as_deref().unwrap_or("-"), client = %client.escape_debug(), "connected");
+                tracing::info!(uid = self.uid, pid = self.pid, job = job.as_deref().unwrap_or("-"), client = %client.chars().take(80).collect::<String>().escape_debug(), "connected");
                 if let Some(c) = lock(&self.daemon.clients).get_mut(&self.id) {
                     c.job.clone_from(&job);
                 }

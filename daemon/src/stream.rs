@@ -512,6 +512,40 @@ mod tests {
     use super::*;
     use crate::source::{FieldOut, FieldSpec, SourceError};
 
+    /// One scalar u64 field: each source below writes the sample's index into it.
+    fn u64_field() -> FieldSpec {
+        FieldSpec { name: "x".into(), origin: "test".into(), dtype: DType::U64, shape: vec![], max_sample_bytes: None }
+    }
+
+    /// A stream over `source` (`samples` long, unshuffled, one rank) with a
+    /// ring of `depth` slots of `batch` rows, filled by `threads` workers,
+    /// starting at `(epoch, step)`.
+    fn start(
+        source: Arc<dyn Source>,
+        dataset: &str,
+        samples: u64,
+        batch: u64,
+        depth: u32,
+        threads: usize,
+        (epoch, step): (u64, u64),
+    ) -> Arc<Stream> {
+        let fields: Vec<_> = source.fields().iter().map(|f| f.decl()).collect();
+        let layout = BatchLayout::new(batch, fields, &LayoutLimits::DEFAULT).unwrap();
+        let ring = Ring::create(dataset, &layout, depth).unwrap();
+        let pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap());
+        let meta = StreamMeta {
+            id: 1,
+            client_id: 1,
+            pid: 1,
+            dataset: dataset.into(),
+            rank: 0,
+            world_size: 1,
+            counters: Default::default(),
+        };
+        let sampler = Sampler::new(samples, 0, 1, batch, false, 0, false);
+        Stream::start(meta, source, sampler, ring, pool, epoch, step)
+    }
+
     /// Writes each sample's index; panics on one of them, as a buggy decoder would.
     #[derive(Debug)]
     struct Panicky {
@@ -541,28 +575,8 @@ mod tests {
 
     #[test]
     fn a_panicking_source_fails_one_batch_and_the_stream_goes_on() {
-        let field = FieldSpec {
-            name: "x".into(),
-            origin: "test".into(),
-            dtype: DType::U64,
-            shape: vec![],
-            max_sample_bytes: None,
-        };
-        let source: Arc<dyn Source> = Arc::new(Panicky { fields: vec![field.clone()], panic_on: 5 });
-        let layout = BatchLayout::new(4, [field.decl()], &LayoutLimits::DEFAULT).unwrap();
-        let ring = Ring::create("panic-test", &layout, 3).unwrap();
-        let pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap());
-        let meta = StreamMeta {
-            id: 1,
-            client_id: 1,
-            pid: 1,
-            dataset: "panicky".into(),
-            rank: 0,
-            world_size: 1,
-            counters: Default::default(),
-        };
-        let sampler = Sampler::new(32, 0, 1, 4, false, 0, false);
-        let stream = Stream::start(meta, source, sampler, ring, pool, 0, 0);
+        let source = Arc::new(Panicky { fields: vec![u64_field()], panic_on: 5 });
+        let stream = start(source, "panicky", 32, 4, 3, 2, (0, 0));
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let mut outcomes = Vec::new();
         runtime.block_on(async {
@@ -638,32 +652,12 @@ mod tests {
     }
 
     fn gated_stream(depth: u32) -> (Arc<Gated>, Arc<Stream>) {
-        let field = FieldSpec {
-            name: "x".into(),
-            origin: "test".into(),
-            dtype: DType::U64,
-            shape: vec![],
-            max_sample_bytes: None,
-        };
         let source = Arc::new(Gated {
-            fields: vec![field.clone()],
+            fields: vec![u64_field()],
             allowed: std::sync::Mutex::new(0),
             opened: std::sync::Condvar::new(),
         });
-        let layout = BatchLayout::new(2, [field.decl()], &LayoutLimits::DEFAULT).unwrap();
-        let ring = Ring::create("gated-test", &layout, depth).unwrap();
-        let pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap());
-        let meta = StreamMeta {
-            id: 1,
-            client_id: 1,
-            pid: 1,
-            dataset: "gated".into(),
-            rank: 0,
-            world_size: 1,
-            counters: Default::default(),
-        };
-        let sampler = Sampler::new(16, 0, 1, 2, false, 0, false);
-        let stream = Stream::start(meta, source.clone() as Arc<dyn Source>, sampler, ring, pool, 0, 0);
+        let stream = start(source.clone(), "gated", 16, 2, depth, 1, (0, 0));
         (source, stream)
     }
 
@@ -737,27 +731,8 @@ mod tests {
 
     #[test]
     fn a_failed_batch_names_its_step_and_the_stream_moves_past_it() {
-        let field = FieldSpec {
-            name: "x".into(),
-            origin: "test".into(),
-            dtype: DType::U64,
-            shape: vec![],
-            max_sample_bytes: None,
-        };
-        let source: Arc<dyn Source> = Arc::new(Panicky { fields: vec![field.clone()], panic_on: 9 });
-        let layout = BatchLayout::new(4, [field.decl()], &LayoutLimits::DEFAULT).unwrap();
-        let ring = Ring::create("failed-step", &layout, 2).unwrap();
-        let pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap());
-        let meta = StreamMeta {
-            id: 1,
-            client_id: 1,
-            pid: 1,
-            dataset: "p".into(),
-            rank: 0,
-            world_size: 1,
-            counters: Default::default(),
-        };
-        let stream = Stream::start(meta, source, Sampler::new(32, 0, 1, 4, false, 0, false), ring, pool, 3, 1);
+        let source = Arc::new(Panicky { fields: vec![u64_field()], panic_on: 9 });
+        let stream = start(source, "p", 32, 4, 2, 1, (3, 1));
         let rt = runtime();
         match rt.block_on(stream.next()) {
             Delivery::Batch(b) => {
