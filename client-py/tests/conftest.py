@@ -193,7 +193,16 @@ def load_h5(root: Path, files: list[Path], fields: dict[str, str]) -> H5Data:
 class Daemon:
     """A running `stoker serve` process with its own config and socket."""
 
-    def __init__(self, workdir: Path, config_text: str) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        config_text: str,
+        *,
+        args: tuple[str, ...] = (),
+        env: Mapping[str, str] | None = None,
+        command: list[str] | None = None,
+    ) -> None:
+        """`command` (default: the stoker binary) `serve --config ... --socket ... *args`, with `env`."""
         self.workdir = workdir
         self.socket = str(workdir / "stoker.sock")
         self.config = workdir / "stoker.toml"
@@ -201,10 +210,11 @@ class Daemon:
         self.stderr_path = workdir / "daemon.stderr"
         self._stderr = open(self.stderr_path, "wb")
         self.proc = subprocess.Popen(
-            [str(stoker_bin()), "serve", "--config", str(self.config), "--socket", self.socket],
+            [*(command or [str(stoker_bin())]), "serve", "--config", str(self.config), "--socket", self.socket, *args],
             stdin=subprocess.DEVNULL,
             stdout=self._stderr,
             stderr=self._stderr,
+            env=None if env is None else dict(env),
             preexec_fn=_die_with_parent,
         )
         self._wait_ready()
@@ -302,6 +312,18 @@ def make_config(
     for name, data in (datasets or {}).items():
         text += "\n" + data.toml_dataset(name)
     return text + extra
+
+
+def realpaths(p: Path) -> tuple[str, str]:
+    """A path as given and as resolved: an error message may name either."""
+    return str(p), os.path.realpath(p)
+
+
+def assert_names(message: str, *needles: str | tuple[str, ...]) -> None:
+    """Each needle (or one of a tuple of alternatives) appears in `message`."""
+    for needle in needles:
+        options = needle if isinstance(needle, tuple) else (needle,)
+        assert any(o in message for o in options), f"{options[0]!r} not in error message:\n{message}"
 
 
 @pytest.fixture

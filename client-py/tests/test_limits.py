@@ -20,19 +20,13 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import Daemon, H5Data
+from conftest import assert_names, Daemon, H5Data
 from lmdb_data import key, noise, npy_bytes, png_of, write_env
 
 
 # --------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------
-
-
-def assert_names(message: str, *needles: str | tuple[str, ...]) -> None:
-    for needle in needles:
-        options = needle if isinstance(needle, tuple) else (needle,)
-        assert any(o in message for o in options), f"{options[0]!r} not in error message:\n{message}"
 
 
 def paths(p: Path) -> tuple[str, str]:

@@ -27,7 +27,7 @@ import pytest
 import zstandard
 from PIL import Image, ImageCms, JpegImagePlugin, PngImagePlugin
 
-from conftest import SUBPROCESS_TIMEOUT_S
+from conftest import assert_names, realpaths, SUBPROCESS_TIMEOUT_S
 from lmdb_data import (
     hand_png,
     image_of,
@@ -115,16 +115,6 @@ def mapping_check(loader: Any, arr: np.ndarray, name: str) -> None:
     assert start <= ptr and ptr + arr.nbytes <= start + length, (
         f"{name}: data at {ptr:#x}+{arr.nbytes} lies outside the stream's mapping {start:#x}+{length}"
     )
-
-
-def realpaths(p: Path) -> tuple[str, str]:
-    return str(p), os.path.realpath(p)
-
-
-def assert_names(message: str, *needles: str | tuple[str, ...]) -> None:
-    for needle in needles:
-        options = needle if isinstance(needle, tuple) else (needle,)
-        assert any(o in message for o in options), f"{options[0]!r} not in error message:\n{message}"
 
 
 # --------------------------------------------------------------------------

@@ -22,6 +22,8 @@ import lmdb
 import numpy as np
 import pytest
 
+from conftest import assert_names, realpaths
+
 from lmdb_data import key, npy_bytes, write_env
 
 #: Samples per environment; values of 6000 bytes each span two overflow pages,
@@ -72,16 +74,6 @@ def scribble(data: Path, pages: list[int], psize: int, seed: int) -> None:
         for p in pages:
             f.seek(p * psize)
             f.write(rng.integers(0, 256, size=psize, dtype=np.uint8).tobytes())
-
-
-def realpaths(p: Path) -> tuple[str, str]:
-    return str(p), os.path.realpath(p)
-
-
-def assert_names(message: str, *needles: str | tuple[str, ...]) -> None:
-    for needle in needles:
-        options = needle if isinstance(needle, tuple) else (needle,)
-        assert any(o in message for o in options), f"{options[0]!r} not in error message:\n{message}"
 
 
 def served(stoker: Any, d: Any, env: Path, *, batch_size: int = 8) -> np.ndarray:

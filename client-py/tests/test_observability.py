@@ -28,24 +28,7 @@ TIMESTAMP = re.compile(r"^\s*\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d")
 
 
 class ServedDaemon(Daemon):
-    """`stoker serve` with extra arguments and environment, stderr kept apart from stdout."""
-
-    def __init__(self, workdir: Path, config_text: str, args: tuple[str, ...], env: dict[str, str]) -> None:
-        self.workdir = workdir
-        self.socket = str(workdir / "stoker.sock")
-        self.config = workdir / "stoker.toml"
-        self.config.write_text(config_text)
-        self.stderr_path = workdir / "daemon.stderr"
-        self._stderr = open(self.stderr_path, "wb")
-        self.proc = subprocess.Popen(
-            [str(stoker_bin()), "serve", "--config", str(self.config), "--socket", self.socket, *args],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=self._stderr,
-            env=env,
-            preexec_fn=_die_with_parent,
-        )
-        self._wait_ready()
+    """`stoker serve` with extra arguments and environment (conftest's `Daemon`)."""
 
     def log_lines(self) -> list[str]:
         """The daemon's stderr after it stopped (so every line is written)."""
@@ -62,7 +45,7 @@ def serve(tmp_path: Path) -> Iterator[Callable[..., ServedDaemon]]:
         workdir = Path(tempfile.mkdtemp(prefix="stk-", dir="/tmp"))
         base = {k: v for k, v in os.environ.items() if k not in LOG_ENV}
         config = make_config(str(workdir / "unused.sock"), allowed_roots=[tmp_path], datasets=datasets)
-        d = ServedDaemon(workdir, config, args, {**base, **(env or {})})
+        d = ServedDaemon(workdir, config, args=args, env={**base, **(env or {})})
         daemons.append(d)
         return d
 

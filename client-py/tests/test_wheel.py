@@ -20,8 +20,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -32,7 +30,7 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from conftest import REPO, SUBPROCESS_TIMEOUT_S, _die_with_parent, make_config, stoker_bin, write_h5
+from conftest import REPO, SUBPROCESS_TIMEOUT_S, Daemon, make_config, stoker_bin, write_h5
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("STOKER_SKIP_WHEEL_TEST") == "1", reason="STOKER_SKIP_WHEEL_TEST=1"
@@ -164,55 +162,19 @@ def test_console_entry_point_runs_the_daemon(venv: Venv) -> None:
     assert res.stdout.split() == ["stoker", version], res.stdout
 
 
-def wait_listening(proc: subprocess.Popen[bytes], sock: str, log: Path) -> None:
-    deadline = time.monotonic() + 20
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"stoker serve exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.connect(sock)
-            return
-        except OSError:
-            pass
-        finally:
-            s.close()
-        if time.monotonic() > deadline:
-            pytest.fail(f"stoker serve not listening on {sock}:\n{log.read_text(errors='replace')}")
-        time.sleep(0.05)
-
-
 @pytest.fixture
 def served(venv: Venv, tmp_path: Path, short_tmp: Path) -> Iterator[tuple[object, str]]:
     """An HDF5 dataset written by h5py (this process), served by `stoker serve`
     started through the venv's console entry point."""
     data = write_h5(tmp_path / "data")
-    sock = str(short_tmp / "stoker.sock")
-    config = short_tmp / "stoker.toml"
-    config.write_text(make_config(sock, allowed_roots=[tmp_path], datasets={"train": data}))
-    log = short_tmp / "daemon.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            ["stoker", "serve", "--config", str(config), "--socket", sock],
-            env=venv.env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=out,
-            preexec_fn=_die_with_parent,
-        )
+    config = make_config(str(short_tmp / "unused.sock"), allowed_roots=[tmp_path], datasets={"train": data})
+    daemon = Daemon(short_tmp, config, command=["stoker"], env=venv.env)
     try:
-        wait_listening(proc, sock, log)
         # The entry point exec'd the bundled binary: same process, no Python wrapper left.
-        assert os.readlink(f"/proc/{proc.pid}/exe") == str(venv.site_stoker() / "bin" / "stoker")
-        yield data, sock
+        assert os.readlink(f"/proc/{daemon.proc.pid}/exe") == str(venv.site_stoker() / "bin" / "stoker")
+        yield data, daemon.socket
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        daemon.stop()
 
 
 def test_loader_from_the_wheel_reads_hdf5_byte_for_byte(venv: Venv, served: tuple, tmp_path: Path) -> None:
