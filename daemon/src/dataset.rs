@@ -395,10 +395,7 @@ fn open_files(resolved: &Resolved, roots: Option<&[PathBuf]>) -> Result<Files, S
 
 fn refuse(e: SourceError) -> Refusal {
     let kind = match &e {
-        SourceError::NotAllowed { .. }
-        | SourceError::Access(AccessError::NotAllowed { .. } | AccessError::Rights { .. }) => {
-            ErrorKind::PermissionDenied
-        }
+        SourceError::Access(AccessError::NotAllowed { .. } | AccessError::Rights { .. }) => ErrorKind::PermissionDenied,
         SourceError::Access(AccessError::Io { source, .. })
             if source.kind() == std::io::ErrorKind::PermissionDenied =>
         {

@@ -264,7 +264,8 @@ impl LmdbSource {
             for path in paths {
                 let real = path.canonicalize().unwrap_or_else(|_| path.clone());
                 if !roots.iter().any(|root| real.starts_with(root)) {
-                    return Err(SourceError::NotAllowed { path: path.clone(), roots: roots.clone() });
+                    let refused = crate::fsaccess::AccessError::NotAllowed { path: path.clone(), roots: roots.clone() };
+                    return Err(SourceError::Access(refused));
                 }
             }
         }

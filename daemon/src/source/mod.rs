@@ -105,17 +105,6 @@ pub enum SourceError {
         /// glob's message.
         message: String,
     },
-    /// A matched file lies outside the configured `allowed_roots`.
-    #[error(
-        "{path} is outside the daemon's allowed_roots {roots:?}; ask the admin to add its directory \
-         to [server] allowed_roots, or use a dataset named in the config"
-    )]
-    NotAllowed {
-        /// The file.
-        path: PathBuf,
-        /// The roots in force.
-        roots: Vec<PathBuf>,
-    },
     /// A file could not be opened by handle: outside the allowed roots, not
     /// a regular file, or refused with the client's rights.
     #[error("{0}")]

@@ -139,7 +139,10 @@ fn open_errors_name_the_environment() {
     heed_env(&env, true, &[(b"a", vec![1])]);
     let mut spec = LmdbSpec::new(vec![field("x", &env, raw_codec(&[1]))]);
     spec.allowed_roots = Some(vec![PathBuf::from("/nonexistent-root")]);
-    assert!(matches!(LmdbSource::open(&spec), Err(SourceError::NotAllowed { .. })));
+    assert!(matches!(
+        LmdbSource::open(&spec),
+        Err(SourceError::Access(crate::fsaccess::AccessError::NotAllowed { .. }))
+    ));
     let twice = LmdbSpec::new(vec![field("x", &env, raw_codec(&[1])), field("x", &env, raw_codec(&[1]))]);
     assert!(matches!(LmdbSource::open(&twice), Err(SourceError::LmdbField { .. })));
 }
