@@ -2,7 +2,7 @@
 # Installs everything stoker needs on a fresh Debian machine and builds it:
 # libhdf5-dev and systemd (apt; `systemd-analyze verify` checks the unit in
 # config/systemd/), a virtualenv at .venv with maturin/numpy/h5py/pytest,
-# the release `stoker` binary, and the Python client (`stoker` package).
+# (and torch, for the torch-output tests), the release `stoker` binary, and the Python client (`stoker` package).
 # Idempotent: quick when everything is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
