@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use memmap2::MmapMut;
 use rustix::fs::{MemfdFlags, SealFlags};
+use stoker_proto::ctrl::{CTRL_BYTES, Control};
 use stoker_proto::{BatchLayout, RING_LAYOUT_VERSION, RING_MAGIC};
 
 /// A stream's shared-memory ring.
@@ -153,6 +154,51 @@ impl Ring {
 unsafe impl Send for Ring {}
 // SAFETY: as above; shared access only reads the header fields and the flags.
 unsafe impl Sync for Ring {}
+
+/// A stream's control page ([`stoker_proto::ctrl`]): a memfd both sides map
+/// shared and writable, sealed against resizing (so a client cannot make the
+/// daemon's mapping fault) but not against writes. Everything the daemon
+/// reads from it is a client's claim, checked before use.
+#[derive(Debug)]
+pub struct ControlPage {
+    fd: OwnedFd,
+    map: MmapMut,
+}
+
+impl ControlPage {
+    /// Creates, maps, stamps and seals a control page.
+    pub fn create(name: &str) -> std::io::Result<Arc<ControlPage>> {
+        let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+        rustix::fs::ftruncate(&fd, CTRL_BYTES)?;
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
+        let file = std::fs::File::from(fd);
+        // SAFETY: the memfd's size is sealed, so the mapping never outlives
+        // the file's extent (no SIGBUS whatever the client does). The memory
+        // is shared with one client, so it is only ever accessed through the
+        // atomics of `Control` (see `control`).
+        let map = unsafe { MmapMut::map_mut(&file)? };
+        let page = ControlPage { fd: OwnedFd::from(file), map };
+        page.control().stamp();
+        Ok(Arc::new(page))
+    }
+
+    /// The memfd, to send to the client.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// The page's contents.
+    pub fn control(&self) -> &Control {
+        assert!(self.map.len() >= std::mem::size_of::<Control>(), "the control memfd holds a Control");
+        // SAFETY: the mapping is page-aligned (so aligned for `Control`), at
+        // least as large as `Control` (checked above) and lives as long as
+        // `self`. `Control` consists of atomics only (and padding), for which
+        // every bit pattern is valid, so whatever the client writes, at any
+        // time, is read as some value of them; the daemon only accesses it
+        // through those atomics.
+        unsafe { &*self.map.as_ptr().cast::<Control>() }
+    }
+}
 
 /// Marks a slot claimed for as long as any of its writers lives.
 #[derive(Debug)]
@@ -292,6 +338,17 @@ mod tests {
         let file = std::fs::File::from(ring.fd().try_clone_to_owned().unwrap());
         // SAFETY: test-only mapping attempt, expected to fail.
         assert!(unsafe { MmapMut::map_mut(&file) }.is_err());
+    }
+
+    #[test]
+    fn control_page_is_stamped_and_sealed_against_resizing_only() {
+        let page = ControlPage::create("ctl").unwrap();
+        assert!(page.control().is_valid());
+        assert!(rustix::fs::ftruncate(page.fd(), 1).is_err());
+        let file = std::fs::File::from(page.fd().try_clone_to_owned().unwrap());
+        // SAFETY: test-only shared mapping of a live control page, read through atomics.
+        let map = unsafe { MmapMut::map_mut(&file) }.unwrap();
+        assert_eq!(map.len() as u64, CTRL_BYTES);
     }
 
     #[test]

@@ -27,9 +27,9 @@ use tracing::Instrument;
 use crate::cache::ChunkCache;
 use crate::config::Settings;
 use crate::dataset::Datasets;
-use crate::ring::Ring;
+use crate::ring::{ControlPage, Ring};
 use crate::sampler::Sampler;
-use crate::stream::{Delivery, Stream, StreamMeta};
+use crate::stream::{Budget, Fetched, Shm, Stream, StreamMeta};
 
 /// An error reply: kind plus a message for the user.
 type Reply<T> = Result<T, (ErrorKind, String)>;
@@ -44,7 +44,8 @@ pub enum Shutdown {
     Quick,
 }
 
-/// Requests that may queue behind a waiting `Next` on one connection.
+/// Requests read ahead of the one being handled, per connection (no request
+/// waits: batches travel through the control page, so this only smooths bursts).
 const MAX_BACKLOG: usize = 64;
 /// At most one repeated warning of a kind per this interval per connection.
 const WARN_EVERY: Duration = Duration::from_secs(10);
@@ -68,6 +69,8 @@ pub struct Daemon {
     next_id: AtomicU64,
     own_uid: u32,
     metrics: crate::metrics::Metrics,
+    /// Shared memory all streams may hold: `[limits] max_memory_bytes` less the chunk cache.
+    memory: Arc<Budget>,
     /// Worker busy time sampled once a second, for utilisation over a window.
     load: Arc<Mutex<VecDeque<(Instant, Duration)>>>,
 }
@@ -105,6 +108,7 @@ impl Daemon {
         if let Err(e) = std::thread::Builder::new().name("stoker-load".into()).spawn(move || sample_load(weak)) {
             tracing::warn!(error = %e, "cannot start the load sampler: `stoker status` shows utilisation since start");
         }
+        let memory = Budget::new(settings.limits.max_memory_bytes.saturating_sub(settings.chunk_cache_bytes));
         Ok(Arc::new(Daemon {
             settings: RwLock::new(Arc::new(settings)),
             started: Instant::now(),
@@ -119,6 +123,7 @@ impl Daemon {
             next_id: AtomicU64::new(1),
             own_uid: rustix::process::getuid().as_raw(),
             metrics: crate::metrics::Metrics::default(),
+            memory,
             load,
         }))
     }
@@ -166,6 +171,7 @@ impl Daemon {
             }
         }
         self.datasets.reload(new.clone());
+        self.memory.set_limit(new.limits.max_memory_bytes.saturating_sub(old.chunk_cache_bytes));
         *self.settings.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(new);
         changes
     }
@@ -247,7 +253,7 @@ impl Daemon {
             .filter_map(|(mut d, source)| {
                 let readers = open.iter().filter(|s| std::ptr::addr_eq(Arc::as_ptr(s.source()), Arc::as_ptr(&source)));
                 let (n, ring_bytes) =
-                    readers.fold((0u64, 0u64), |(n, b), s| (n + 1, b.saturating_add(s.ring().bytes())));
+                    readers.fold((0u64, 0u64), |(n, b), s| (n + 1, b.saturating_add(s.shm_bytes())));
                 (d.streams, d.ring_bytes) = (n, ring_bytes);
                 (all || n > 0).then_some(d)
             })
@@ -487,23 +493,10 @@ struct Connection {
     streams: HashMap<u64, Arc<Stream>>,
     greeted: bool,
     bad_releases: Throttle,
-}
-
-/// What a connection waits for besides its next request.
-enum State {
-    /// Nothing: requests are handled as they come.
-    Idle,
-    /// A `Next` on this stream waits for its batch. Replies leave in request
-    /// order, so other requests queue behind it; `Release` (no reply) does not.
-    Next(Arc<Stream>),
-}
-
-/// What handling one request did.
-enum Handled {
-    /// Replied (or the request takes no reply).
-    Done,
-    /// A `Next` whose reply comes when the stream delivers.
-    Wait(Arc<Stream>),
+    /// Shared memory this connection's streams may hold (`[limits] max_ring_bytes_per_client`).
+    budget: Arc<Budget>,
+    /// Longest a reply may wait for the client to read (`[server] frame_timeout_s`).
+    write_timeout: Duration,
 }
 
 async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: u64, mut stop: watch::Receiver<bool>) {
@@ -548,6 +541,8 @@ async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: u64, mut st
         streams: HashMap::new(),
         greeted: false,
         bad_releases: Throttle::default(),
+        budget: Budget::new(settings.limits.max_ring_bytes_per_client),
+        write_timeout: settings.frame_timeout,
     };
     let client =
         ClientStatus { id, pid, uid, job: None, streams: 0, connected_s: 0.0, wait_s: 0.0, stall_percent: 0.0 };
@@ -557,8 +552,6 @@ async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: u64, mut st
     let (tx, mut frames) = mpsc::channel(MAX_BACKLOG);
     let read_task = tokio::spawn(read_frames(reader, tx, settings.limits.max_message_bytes, settings.frame_timeout));
     drop(settings);
-    let mut state = State::Idle;
-    let mut backlog: VecDeque<Request> = VecDeque::new();
     loop {
         tokio::select! {
             frame = frames.recv() => match frame {
@@ -568,53 +561,17 @@ async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: u64, mut st
                     break;
                 }
                 Some(Ok(req)) => {
-                    if matches!(state, State::Next(_)) && !matches!(req, Request::Release { .. }) {
-                        if backlog.len() >= MAX_BACKLOG {
-                            let message = format!(
-                                "more than {MAX_BACKLOG} requests sent while a Next waits; a client sends one \
-                                 request at a time"
-                            );
-                            let _ = conn.send(&Response::Error { kind: ErrorKind::Protocol, message }).await;
-                            break;
-                        }
-                        backlog.push_back(req);
-                        continue;
+                    if conn.handle(req).await.is_err() {
+                        break;
                     }
-                    match conn.handle(req).await {
-                        Ok(Handled::Done) => {}
-                        Ok(Handled::Wait(stream)) => state = State::Next(stream),
-                        Err(()) => break,
-                    }
-                }
-            },
-            delivery = wait_next(match &state { State::Next(s) => Some(s.clone()), State::Idle => None }) => {
-                let State::Next(stream) = std::mem::replace(&mut state, State::Idle) else { break };
-                if conn.deliver(stream.meta().id, delivery).await.is_err() {
-                    break;
-                }
-                let mut failed = false;
-                while matches!(state, State::Idle) {
-                    let Some(req) = backlog.pop_front() else { break };
-                    match conn.handle(req).await {
-                        Ok(Handled::Done) => {}
-                        Ok(Handled::Wait(stream)) => state = State::Next(stream),
-                        Err(()) => { failed = true; break }
-                    }
-                }
-                if failed {
-                    break;
                 }
             },
             _ = stop.changed() => {
-                // Every request still owed a reply hears why, so clients
-                // reconnect to the next daemon at once instead of timing out.
-                let owed = usize::from(matches!(state, State::Next(_)))
-                    + backlog.iter().filter(|r| !matches!(r, Request::Release { .. })).count();
-                for _ in 0..owed {
-                    let message = "the stoker daemon is shutting down; reconnect to its successor".to_string();
-                    if conn.send(&Response::Error { kind: ErrorKind::ShuttingDown, message }).await.is_err() {
-                        break;
-                    }
+                // A client waiting for its next batch sleeps on the control
+                // page: a `Closed` record wakes it to reconnect to the next
+                // daemon at once instead of timing out.
+                for stream in conn.streams.values() {
+                    stream.close(true);
                 }
                 break;
             }
@@ -622,20 +579,13 @@ async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: u64, mut st
     }
     read_task.abort();
     for (_, stream) in conn.streams.drain() {
-        stream.close();
+        stream.close(false);
         lock(&daemon.streams).remove(&stream.meta().id);
         tracing::info!(stream = stream.meta().id, dataset = %stream.meta().dataset, uid, pid, "stream closed (connection ended)");
     }
     lock(&daemon.clients).remove(&id);
     lock(&daemon.connected).remove(&id);
     tracing::info!(uid, pid, job = conn.job.as_deref().unwrap_or("-"), "disconnected");
-}
-
-async fn wait_next(stream: Option<Arc<Stream>>) -> Delivery {
-    match stream {
-        Some(s) => s.next().await,
-        None => std::future::pending().await,
-    }
 }
 
 /// Why reading a frame stopped.
@@ -700,7 +650,15 @@ async fn read_frames(
 impl Connection {
     async fn send(&mut self, resp: &Response) -> std::io::Result<()> {
         let frame = stoker_proto::encode_frame(resp).map_err(std::io::Error::other)?;
-        self.writer.write_all(&frame).await
+        // A client that sends requests and never reads the replies must not
+        // hold this task (and its connection slot) forever.
+        match tokio::time::timeout(self.write_timeout, self.writer.write_all(&frame)).await {
+            Ok(result) => result,
+            Err(_) => Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the client did not read its replies within [server] frame_timeout_s",
+            )),
+        }
     }
 
     async fn send_error(&mut self, (kind, message): (ErrorKind, String)) -> Result<(), ()> {
@@ -708,7 +666,7 @@ impl Connection {
     }
 
     /// Handles one request; `Err` closes the connection.
-    async fn handle(&mut self, req: Request) -> Result<Handled, ()> {
+    async fn handle(&mut self, req: Request) -> Result<(), ()> {
         if !self.greeted && !matches!(req, Request::Hello { .. }) {
             let err = (ErrorKind::Protocol, "the first message must be Hello".to_string());
             let _ = self.send_error(err).await;
@@ -739,14 +697,52 @@ impl Connection {
             }
             Request::OpenStream(open) => {
                 return match self.open_stream(open).await {
-                    Ok(stream) => self.send_stream(stream).await.map(|()| Handled::Done).map_err(drop),
-                    Err(e) => self.send_error(e).await.map(|()| Handled::Done),
+                    Ok(stream) => self.send_stream(stream).await.map_err(drop),
+                    Err(e) => self.send_error(e).await,
                 };
             }
-            Request::Next { stream } => match self.streams.get(&stream) {
-                Some(s) => return Ok(Handled::Wait(s.clone())),
+            Request::Next { .. } => Response::Error {
+                kind: ErrorKind::Version,
+                message: "Next is not part of protocol 4: batches are handed over through the stream's control \
+                          page; install matching versions of the stoker client and daemon"
+                    .into(),
+            },
+            Request::Wake { stream } => {
+                if let Some(s) = self.streams.get(&stream) {
+                    s.wake();
+                }
+                return Ok(());
+            }
+            Request::Fetch { stream, seq } => match self.streams.get(&stream) {
+                Some(s) => match s.fetch(seq) {
+                    Fetched::Failed { epoch, step, message } => Response::BatchFailed { stream, epoch, step, message },
+                    Fetched::Resumed => Response::Done,
+                    Fetched::Exhausted(message) => Response::Error { kind: ErrorKind::RingExhausted, message },
+                    Fetched::Unknown => Response::Error {
+                        kind: ErrorKind::Protocol,
+                        message: format!("stream {stream} has no record {seq} with details to fetch"),
+                    },
+                },
                 None => no_stream(stream),
             },
+            Request::Segment { stream, slot } => {
+                let segment = self.streams.get(&stream).and_then(|s| s.segment(slot));
+                return match segment {
+                    Some(seg) => {
+                        let resp = Response::Segment {
+                            stream,
+                            slot,
+                            generation: seg.generation,
+                            layout: seg.ring.layout().clone(),
+                        };
+                        self.send_with_fds(&resp, &[seg.ring.fd()]).await.map_err(drop)
+                    }
+                    None => {
+                        let message = format!("stream {stream} has no extra slot {slot} (any more)");
+                        self.send_error((ErrorKind::NotFound, message)).await
+                    }
+                };
+            }
             Request::Release { stream, slot } => {
                 match self.streams.get(&stream) {
                     Some(s) if s.release(slot) => {}
@@ -758,11 +754,11 @@ impl Connection {
                     // Arrays that outlive `close()` release their slots late: nothing left to do.
                     None => tracing::trace!(stream, slot, "release for a closed stream"),
                 }
-                return Ok(Handled::Done);
+                return Ok(());
             }
             Request::SetEpoch { stream, epoch, step } => match self.streams.get(&stream) {
                 Some(s) => match s.set_epoch(epoch, step) {
-                    Ok(()) => Response::Done,
+                    Ok(skip_to) => Response::EpochSet { stream, skip_to },
                     Err(message) => Response::Error { kind: ErrorKind::Protocol, message },
                 },
                 None => no_stream(stream),
@@ -771,7 +767,7 @@ impl Connection {
             Request::Datasets => Response::Datasets(self.daemon.datasets()),
             Request::Close { stream } => match self.streams.remove(&stream) {
                 Some(s) => {
-                    s.close();
+                    s.close(false);
                     lock(&self.daemon.streams).remove(&stream);
                     tracing::info!(stream, dataset = %s.meta().dataset, uid = self.uid, pid = self.pid, "stream closed");
                     Response::Done
@@ -779,24 +775,7 @@ impl Connection {
                 None => no_stream(stream),
             },
         };
-        self.send(&reply).await.map(|()| Handled::Done).map_err(drop)
-    }
-
-    async fn deliver(&mut self, stream: u64, delivery: Delivery) -> Result<(), ()> {
-        let resp = match delivery {
-            Delivery::Batch(ready) => Response::Batch(ready),
-            Delivery::EndOfEpoch(epoch) => Response::EndOfEpoch { stream, epoch },
-            Delivery::Failed { epoch, step, message } => Response::BatchFailed { stream, epoch, step, message },
-            Delivery::Exhausted(depth) => Response::Error {
-                kind: ErrorKind::RingExhausted,
-                message: format!(
-                    "all {depth} ring slots are held by this process, so no further batch can be produced; \
-                     drop references to old batches (copy what you keep), or raise [ring] depth"
-                ),
-            },
-            Delivery::Closed => Response::Error { kind: ErrorKind::NotFound, message: "stream closed".into() },
-        };
-        self.send(&resp).await.map_err(drop)
+        self.send(&reply).await.map_err(drop)
     }
 
     async fn open_stream(&mut self, open: OpenStream) -> Reply<Arc<Stream>> {
@@ -867,25 +846,26 @@ impl Connection {
                 (ErrorKind::Limit, format!("dataset {label}{}: {e}", origin.unwrap_or_default()))
             })?;
         let depth = settings.ring_depth;
-        let held: u64 = self.streams.values().map(|s| s.ring().bytes()).sum();
-        let want = layout.checked_ring_bytes(depth).unwrap_or(u64::MAX);
-        if held.saturating_add(want) > limits.max_ring_bytes_per_client {
-            return Err((
+        let want = layout
+            .checked_ring_bytes(depth)
+            .and_then(|b| b.checked_add(stoker_proto::ctrl::CTRL_BYTES))
+            .unwrap_or(u64::MAX);
+        // Reserved atomically, so concurrent opens (and ring growth) cannot
+        // together overshoot either budget.
+        let mine = self.budget.reserve(want).map_err(|held| {
+            (
                 ErrorKind::Limit,
                 format!(
                     "this stream needs {want} bytes of shared memory ({depth} slots × {} bytes) and the client already \
                      holds {held}; the limit is {} ([limits] max_ring_bytes_per_client): use a smaller batch_size",
-                    layout.slot_bytes, limits.max_ring_bytes_per_client
+                    layout.slot_bytes,
+                    self.budget.limit()
                 ),
-            ));
-        }
-        // Checked and created under the registry's lock, so concurrent opens
-        // cannot together overshoot the daemon-wide budget.
-        let mut all_streams = lock(&self.daemon.streams);
-        let total: u64 = all_streams.values().map(|s| s.ring().bytes()).sum();
-        let cache = settings.chunk_cache_bytes;
-        if total.saturating_add(want).saturating_add(cache) > limits.max_memory_bytes {
-            return Err((
+            )
+        })?;
+        let ours = self.daemon.memory.reserve(want).map_err(|total| {
+            let cache = settings.chunk_cache_bytes;
+            (
                 ErrorKind::Limit,
                 format!(
                     "this stream needs {want} bytes of shared memory ({depth} slots × {} bytes) and the daemon's \
@@ -894,11 +874,19 @@ impl Connection {
                      finished",
                     layout.slot_bytes, limits.max_memory_bytes
                 ),
-            ));
-        }
+            )
+        })?;
         let id = self.daemon.id();
-        let ring = Ring::create(&format!("stoker-stream-{id}"), &layout, depth)
-            .map_err(|e| (ErrorKind::Internal, format!("cannot create shared memory of {want} bytes: {e}")))?;
+        let shm_err = |e: std::io::Error| (ErrorKind::Internal, format!("cannot create shared memory of {want} bytes: {e}"));
+        let ring = Ring::create(&format!("stoker-stream-{id}"), &layout, depth).map_err(shm_err)?;
+        let control = ControlPage::create(&format!("stoker-stream-{id}-control")).map_err(shm_err)?;
+        let shm = Shm {
+            ring,
+            control,
+            budgets: [self.budget.clone(), self.daemon.memory.clone()],
+            reserved: vec![mine, ours],
+            limits: limits.layout(),
+        };
         let counters = self.daemon.metrics.dataset(&label);
         let meta = StreamMeta {
             id,
@@ -909,9 +897,8 @@ impl Connection {
             world_size: open.world_size,
             counters,
         };
-        let stream = Stream::start(meta, source, sampler, ring, self.daemon.pool.clone(), open.epoch, open.step);
-        all_streams.insert(id, stream.clone());
-        drop(all_streams);
+        let stream = Stream::start(meta, source, sampler, shm, self.daemon.pool.clone(), open.epoch, open.step);
+        lock(&self.daemon.streams).insert(id, stream.clone());
         self.streams.insert(id, stream.clone());
         tracing::info!(
             stream = id,
@@ -926,7 +913,7 @@ impl Connection {
         Ok(stream)
     }
 
-    /// Sends `StreamOpened` with the ring's memfd attached to its first byte.
+    /// Sends `StreamOpened` with the ring's and the control page's memfds.
     async fn send_stream(&mut self, stream: Arc<Stream>) -> std::io::Result<()> {
         let info = StreamInfo {
             stream: stream.meta().id,
@@ -935,29 +922,38 @@ impl Connection {
             depth: stream.ring().depth(),
             layout: stream.layout().clone(),
         };
-        let frame = stoker_proto::encode_frame(&Response::StreamOpened(info)).map_err(std::io::Error::other)?;
+        self.send_with_fds(&Response::StreamOpened(info), &[stream.ring().fd(), stream.control().fd()]).await
+    }
+
+    /// Sends `resp` with `fds` attached to its first byte.
+    async fn send_with_fds(&mut self, resp: &Response, fds: &[BorrowedFd<'_>]) -> std::io::Result<()> {
+        let frame = stoker_proto::encode_frame(resp).map_err(std::io::Error::other)?;
         let sock: &UnixStream = self.writer.as_ref();
-        let fd = stream.ring().fd();
         let mut sent = 0;
-        while sent < frame.len() {
-            sock.writable().await?;
-            match sock.try_io(Interest::WRITABLE, || send_part(sock, &frame[sent..], (sent == 0).then_some(fd))) {
-                Ok(n) => sent += n,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Err(e),
+        let send = async {
+            while sent < frame.len() {
+                sock.writable().await?;
+                let fds = if sent == 0 { fds } else { &[] };
+                match sock.try_io(Interest::WRITABLE, || send_part(sock, &frame[sent..], fds)) {
+                    Ok(n) => sent += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                    Err(e) => return Err(e),
+                }
             }
+            Ok(())
+        };
+        match tokio::time::timeout(self.write_timeout, send).await {
+            Ok(result) => result,
+            Err(_) => Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the client did not read its reply")),
         }
-        Ok(())
     }
 }
 
-fn send_part(sock: &UnixStream, bytes: &[u8], fd: Option<BorrowedFd<'_>>) -> std::io::Result<usize> {
-    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+fn send_part(sock: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> std::io::Result<usize> {
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
     let mut control = SendAncillaryBuffer::new(&mut space);
-    let fds;
-    if let Some(fd) = fd {
-        fds = [fd];
-        control.push(SendAncillaryMessage::ScmRights(&fds));
+    if !fds.is_empty() {
+        control.push(SendAncillaryMessage::ScmRights(fds));
     }
     let n = rustix::net::sendmsg(sock, &[IoSlice::new(bytes)], &mut control, SendFlags::NOSIGNAL)?;
     Ok(n)

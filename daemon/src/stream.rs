@@ -1,19 +1,34 @@
-//! A stream: one client's pass over one dataset, for one rank. Owns the ring,
-//! schedules batch fills on the worker pool in step order as slots free up,
-//! and hands filled slots to the client strictly in step order.
+//! A stream: one client's pass over one dataset, for one rank. Owns the ring
+//! and the control page, schedules batch fills on the worker pool in step
+//! order as slots free up, and publishes filled slots to the client strictly
+//! in step order through the control page ([`stoker_proto::ctrl`]), with no
+//! request and no round trip.
 //!
-//! Slot life cycle: `Free → Filling → Ready → Leased → Free`. Production runs
-//! ahead across the epoch boundary into epoch + 1 (what the next `set_epoch`
-//! almost always asks for), so a new epoch starts with a full ring. A fill
-//! belongs to a *generation*; a `SetEpoch` to any other position, and `Close`,
-//! start a new one, so fills still running for the old position are discarded
-//! when they finish instead of being delivered. Decoding runs on the rayon
-//! worker pool, never on tokio threads.
+//! Slot life cycle: `Free → Filling → Ready → Leased → Free`. A slot is
+//! *Leased* from the moment its record is published until the client gives
+//! it back (through the control page's release queue, or a `Release`
+//! message). Production runs ahead across the epoch boundary into epoch + 1
+//! (what the next `set_epoch` almost always asks for), so a new epoch starts
+//! with a full ring. A fill belongs to a *generation*; a `SetEpoch` to any
+//! other position, and `Close`, start a new one, so fills still running for
+//! the old position are discarded when they finish, and records published
+//! for it and not yet taken are reclaimed.
 //!
-//! A panic while producing a batch (a bug in a decoder, say) is caught on the
-//! worker: that batch fails with an error naming the dataset and sample, the
-//! stream goes on with the next one, and the process never aborts (rayon
-//! aborts on a panic that escapes a spawned job).
+//! Slots `0..depth` live in the ring's memfd. When the client holds every
+//! slot (and has taken every published batch), the stream grows by an extra
+//! one-slot segment (another sealed memfd, which the client fetches with
+//! `Request::Segment`), within the client's and the daemon's byte budgets;
+//! extras beyond `depth` free ones are destroyed as they come back. A batch
+//! whose ragged values do not fit a standard slot is produced again in an
+//! extra segment sized for it, destroyed when it comes back. Only when a
+//! budget refuses is there an "every slot is held" record, which the client
+//! turns into a `LimitError`.
+//!
+//! Decoding runs on the rayon worker pool, never on tokio threads. A panic
+//! while producing a batch (a bug in a decoder, say) is caught on the worker:
+//! that batch fails with an error naming the dataset and sample, the stream
+//! goes on with the next one, and the process never aborts (rayon aborts on a
+//! panic that escapes a spawned job).
 
 use std::any::Any;
 use std::collections::VecDeque;
@@ -23,12 +38,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
-use stoker_proto::{BatchLayout, BatchReady, StreamStatus};
+use stoker_proto::ctrl::{Publisher, RECORDS, Record, RecordKind};
+use stoker_proto::{BatchLayout, FIELD_ALIGN, LayoutLimits, StreamStatus};
 
 use crate::metrics::DatasetCounters;
-use crate::ring::Ring;
+use crate::ring::{ControlPage, Ring};
 use crate::sampler::Sampler;
-use crate::source::{SampleRef, Source};
+use crate::source::{SampleRef, Source, SourceError};
 
 /// Rows below which a batch is not split further across workers.
 const MIN_ROWS_PER_TASK: u64 = 8;
@@ -54,6 +70,61 @@ impl Drop for Busy {
     }
 }
 
+/// A byte budget for shared memory: one per client connection
+/// (`[limits] max_ring_bytes_per_client`) and one for the daemon
+/// (`[limits] max_memory_bytes` less the chunk cache). Reserving is atomic,
+/// so concurrent opens and grows can never overshoot it together.
+#[derive(Debug)]
+pub struct Budget {
+    used: AtomicU64,
+    limit: AtomicU64,
+}
+
+impl Budget {
+    /// A budget of `limit` bytes, none used.
+    pub fn new(limit: u64) -> Arc<Budget> {
+        Arc::new(Budget { used: AtomicU64::new(0), limit: AtomicU64::new(limit) })
+    }
+
+    /// Changes the limit (a reload); reservations already made stand.
+    pub fn set_limit(&self, limit: u64) {
+        self.limit.store(limit, Ordering::Relaxed);
+    }
+
+    /// Bytes reserved now.
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// The limit.
+    pub fn limit(&self) -> u64 {
+        self.limit.load(Ordering::Relaxed)
+    }
+
+    /// Reserves `bytes`, or returns how many are in use when they do not fit.
+    pub fn reserve(self: &Arc<Self>, bytes: u64) -> Result<Reservation, u64> {
+        let limit = self.limit();
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(bytes).filter(|&total| total <= limit)
+            })
+            .map(|_| Reservation { budget: self.clone(), bytes })
+    }
+}
+
+/// Bytes held against a [`Budget`] until dropped.
+#[derive(Debug)]
+pub struct Reservation {
+    budget: Arc<Budget>,
+    bytes: u64,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.budget.used.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
 /// Who owns a stream and what it reads.
 #[derive(Debug, Clone)]
 pub struct StreamMeta {
@@ -73,23 +144,36 @@ pub struct StreamMeta {
     pub counters: Arc<DatasetCounters>,
 }
 
+/// The shared memory of a stream, made by the server within its budgets.
+#[derive(Debug)]
+pub struct Shm {
+    /// The ring: header and `depth` standard slots.
+    pub ring: Arc<Ring>,
+    /// The control page.
+    pub control: Arc<ControlPage>,
+    /// The client's budget, then the daemon's: extra segments reserve from both.
+    pub budgets: [Arc<Budget>; 2],
+    /// The ring's reservations.
+    pub reserved: Vec<Reservation>,
+    /// Limits for the layouts of oversized batches.
+    pub limits: LayoutLimits,
+}
+
 /// One open stream.
 #[derive(Debug)]
 pub struct Stream {
     meta: StreamMeta,
     source: Arc<dyn Source>,
     sampler: Sampler,
-    ring: Arc<Ring>,
+    shm: Shm,
     pool: Arc<rayon::ThreadPool>,
     state: Mutex<State>,
-    /// Woken whenever a slot changes state.
-    changed: tokio::sync::Notify,
     opened: Instant,
 }
 
 #[derive(Debug)]
 struct State {
-    /// Epoch and step of the next batch to deliver.
+    /// Epoch and step of the next record to publish.
     epoch: u64,
     next_deliver: u64,
     /// Epoch and step of the next batch to start filling.
@@ -98,43 +182,88 @@ struct State {
     generation: u64,
     slots: Vec<Slot>,
     closed: bool,
+    publisher: Publisher,
+    /// Batch records published, as `(seq, slot)`, that the client may not
+    /// have taken yet (pruned by its `consumed` count).
+    published: VecDeque<(u32, u32)>,
+    /// Messages of published `Failed` records, by sequence number.
+    failures: VecDeque<(u32, u64, u64, String)>,
+    /// Sequence number of a published `Exhausted` record not yet answered.
+    exhausted: Option<u32>,
+    /// The next extra segment's generation (records name it, so the client
+    /// maps the right memfd for a slot id that was reused).
+    next_segment: u32,
+    /// Slot ids the client gave back that it did not hold (for the log).
+    bad_releases: u64,
     delivered: u64,
     bytes_delivered: u64,
-    wait: Duration,
-    /// Since when the client's `Next` has waited, while it waits.
-    waiting_since: Option<Instant>,
     recent: VecDeque<(Instant, u64)>,
 }
 
+#[derive(Debug)]
+struct Slot {
+    state: SlotState,
+    /// For slots past the ring's depth: their own memfd.
+    segment: Option<Segment>,
+}
+
+#[derive(Debug)]
+struct Segment {
+    ring: Arc<Ring>,
+    generation: u32,
+    /// Made for one batch too large for a standard slot: destroyed when it comes back.
+    oversize: bool,
+    _reserved: [Reservation; 2],
+}
+
 #[derive(Debug, Clone, PartialEq)]
-enum Slot {
+enum SlotState {
     Free,
     Filling { generation: u64 },
     Ready { generation: u64, epoch: u64, step: u64, rows: u64, error: Option<String> },
     Leased,
+    /// An extra slot id whose segment was destroyed (the id may be reused).
+    Absent,
 }
 
-/// What a client's `Next` gets.
+/// What producing one batch came to.
+#[derive(Debug, Default)]
+struct Outcome {
+    /// The first error, naming file, field and index.
+    error: Option<String>,
+    /// Per field, the largest value that did not fit its ragged row (0: none).
+    oversize: Vec<u64>,
+    /// The first oversize message, for an error if no bigger slot can be had.
+    oversize_message: Option<String>,
+}
+
+/// An extra segment's memfd and layout, for `Request::Segment`.
 #[derive(Debug)]
-pub enum Delivery {
-    /// A filled slot, now leased.
-    Batch(BatchReady),
-    /// The epoch has no more batches.
-    EndOfEpoch(u64),
-    /// Batch `step` of `epoch` could not be produced (the stream moves past
-    /// it); the message names file, field and index.
+pub struct SegmentInfo {
+    /// Its ring (one slot).
+    pub ring: Arc<Ring>,
+    /// Generation named by the records.
+    pub generation: u32,
+}
+
+/// Why a `Fetch` could not be answered with a message.
+#[derive(Debug)]
+pub enum Fetched {
+    /// Batch `step` of `epoch` failed with this message.
     Failed {
-        /// Epoch of the failed batch.
+        /// Epoch.
         epoch: u64,
-        /// Its position in the epoch.
+        /// Step.
         step: u64,
-        /// What went wrong.
+        /// The message.
         message: String,
     },
-    /// The client holds every slot, so nothing can be produced.
-    Exhausted(u32),
-    /// The stream was closed.
-    Closed,
+    /// The client no longer holds every slot: go on waiting.
+    Resumed,
+    /// The client still holds every slot it may have.
+    Exhausted(String),
+    /// No such record.
+    Unknown,
 }
 
 impl Stream {
@@ -143,17 +272,17 @@ impl Stream {
         meta: StreamMeta,
         source: Arc<dyn Source>,
         sampler: Sampler,
-        ring: Arc<Ring>,
+        shm: Shm,
         pool: Arc<rayon::ThreadPool>,
         epoch: u64,
         step: u64,
     ) -> Arc<Stream> {
-        let depth = ring.depth() as usize;
+        let depth = shm.ring.depth() as usize;
         let stream = Arc::new(Stream {
             meta,
             source,
             sampler,
-            ring,
+            shm,
             pool,
             state: Mutex::new(State {
                 epoch,
@@ -161,19 +290,22 @@ impl Stream {
                 produce_epoch: epoch,
                 next_produce: step,
                 generation: 0,
-                slots: vec![Slot::Free; depth],
+                slots: (0..depth).map(|_| Slot { state: SlotState::Free, segment: None }).collect(),
                 closed: false,
+                publisher: Publisher::default(),
+                published: VecDeque::new(),
+                failures: VecDeque::new(),
+                exhausted: None,
+                next_segment: 1,
+                bad_releases: 0,
                 delivered: 0,
                 bytes_delivered: 0,
-                wait: Duration::ZERO,
-                waiting_since: None,
                 recent: VecDeque::new(),
             }),
-            changed: tokio::sync::Notify::new(),
             opened: Instant::now(),
         });
         let mut st = stream.lock();
-        stream.fill(&mut st);
+        stream.advance(&mut st);
         drop(st);
         stream
     }
@@ -190,12 +322,24 @@ impl Stream {
 
     /// The ring (its fd is sent to the client).
     pub fn ring(&self) -> &Arc<Ring> {
-        &self.ring
+        &self.shm.ring
     }
 
-    /// Where fields lie in each slot.
+    /// The control page (its fd is sent to the client).
+    pub fn control(&self) -> &Arc<ControlPage> {
+        &self.shm.control
+    }
+
+    /// Bytes of shared memory the stream holds: the ring, the control page and extra segments.
+    pub fn shm_bytes(&self) -> u64 {
+        let st = self.lock();
+        let extra: u64 = st.slots.iter().filter_map(|s| s.segment.as_ref()).map(|s| s.ring.bytes()).sum();
+        self.shm.ring.bytes().saturating_add(stoker_proto::ctrl::CTRL_BYTES).saturating_add(extra)
+    }
+
+    /// Where fields lie in each standard slot.
     pub fn layout(&self) -> &BatchLayout {
-        self.ring.layout()
+        self.shm.ring.layout()
     }
 
     /// Sample bytes delivered so far (for metrics).
@@ -214,89 +358,100 @@ impl Stream {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Waits until the next batch (or end of epoch, or an error) is available.
-    /// Cancel-safe: nothing changes unless it returns.
-    pub async fn next(self: &Arc<Self>) -> Delivery {
-        let started = Instant::now();
-        let mut waited = false;
-        loop {
-            let notified = self.changed.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if let Some(delivery) = self.poll_next(if waited { Some(started) } else { None }) {
-                return delivery;
-            }
-            waited = true;
-            notified.await;
+    /// The ring holding slot `id`, and the slot's index in it.
+    fn ring_of(&self, st: &State, id: usize) -> (Arc<Ring>, u32) {
+        match &st.slots[id].segment {
+            Some(seg) => (seg.ring.clone(), 0),
+            None => (self.shm.ring.clone(), id as u32),
         }
     }
 
-    fn poll_next(self: &Arc<Self>, waiting_since: Option<Instant>) -> Option<Delivery> {
+    /// The client queued releases or took records: take them into account.
+    pub fn wake(self: &Arc<Self>) {
         let mut st = self.lock();
-        st.waiting_since = None;
-        if st.closed {
-            return Some(Delivery::Closed);
-        }
-        if st.next_deliver >= self.sampler.batches_per_epoch() {
-            // Production already runs ahead into the next epoch.
-            let ended = st.epoch;
-            st.epoch += 1;
-            st.next_deliver = 0;
-            return Some(Delivery::EndOfEpoch(ended));
-        }
-        let (generation, epoch, step) = (st.generation, st.epoch, st.next_deliver);
-        let ready = st
-            .slots
-            .iter()
-            .position(|s| matches!(s, Slot::Ready { generation: g, epoch: e, step: k, .. } if (*g, *e, *k) == (generation, epoch, step)));
-        let Some(slot) = ready else {
-            if st.slots.iter().all(|s| *s == Slot::Leased) {
-                return Some(Delivery::Exhausted(self.ring.depth()));
-            }
-            st.waiting_since = Some(waiting_since.unwrap_or_else(Instant::now));
-            return None;
-        };
-        let Slot::Ready { rows, error, .. } = std::mem::replace(&mut st.slots[slot], Slot::Leased) else {
-            unreachable!("matched Ready above");
-        };
-        st.next_deliver += 1;
-        if let Some(since) = waiting_since {
-            st.wait += since.elapsed();
-        }
-        if let Some(message) = error {
-            st.slots[slot] = Slot::Free;
-            self.fill(&mut st);
-            return Some(Delivery::Failed { epoch, step, message });
-        }
-        let now = Instant::now();
-        st.delivered += 1;
-        let bytes = self.ring.batch_bytes(slot as u32, rows);
-        st.bytes_delivered = st.bytes_delivered.saturating_add(bytes);
-        st.recent.push_back((now, bytes));
-        while st.recent.front().is_some_and(|(t, _)| now.duration_since(*t) > RATE_WINDOW) {
-            st.recent.pop_front();
-        }
-        Some(Delivery::Batch(BatchReady { stream: self.meta.id, epoch, step, slot: slot as u32, rows }))
+        self.advance(&mut st);
     }
 
-    /// The client gave `slot` back. Returns false if it did not hold it.
+    /// The client gave `slot` back by message (its release queue was full).
+    /// Returns false if it did not hold it.
     pub fn release(self: &Arc<Self>, slot: u32) -> bool {
         let mut st = self.lock();
-        match st.slots.get_mut(slot as usize) {
-            Some(s @ Slot::Leased) => {
-                *s = Slot::Free;
-                self.fill(&mut st);
-                drop(st);
-                self.changed.notify_waiters();
-                true
+        let held = self.release_slot(&mut st, slot);
+        self.advance(&mut st);
+        held
+    }
+
+    /// Marks `id` free (or destroys its segment). False if it was not leased.
+    fn release_slot(&self, st: &mut State, id: u32) -> bool {
+        let depth = self.shm.ring.depth() as usize;
+        let free = st.slots.iter().filter(|s| s.state == SlotState::Free).count();
+        let Some(slot) = st.slots.get_mut(id as usize) else { return false };
+        if slot.state != SlotState::Leased {
+            return false;
+        }
+        let destroy = slot.segment.as_ref().is_some_and(|seg| seg.oversize || free >= depth);
+        if destroy {
+            slot.segment = None;
+            slot.state = SlotState::Absent;
+        } else {
+            slot.state = SlotState::Free;
+        }
+        true
+    }
+
+    /// Takes the client's queued releases. A client that claims more than
+    /// the queue holds is not a stoker client: its stream closes.
+    fn drain(&self, st: &mut State) {
+        let mut ids = Vec::new();
+        if let Err(e) = st.publisher.take_releases(self.shm.control.control(), &mut ids) {
+            tracing::warn!(stream = self.meta.id, pid = self.meta.pid, error = %e, "closing a stream whose control page is corrupt");
+            st.closed = true;
+            st.generation += 1;
+            return;
+        }
+        for id in ids {
+            if !self.release_slot(st, id) {
+                st.bad_releases += 1;
+                if st.bad_releases.is_power_of_two() {
+                    tracing::warn!(stream = self.meta.id, slot = id, count = st.bad_releases, "release of a slot the client does not hold");
+                }
             }
-            _ => false,
         }
     }
 
-    /// Moves to `epoch`, resuming at `step`. A no-op when the stream is already
-    /// there (as after an epoch ends); otherwise prefetched batches are dropped.
-    pub fn set_epoch(self: &Arc<Self>, epoch: u64, step: u64) -> Result<(), String> {
+    /// Takes releases, starts fills, publishes what is ready, and asks the
+    /// client for word when it is blocked on it. Call after any change.
+    fn advance(self: &Arc<Self>, st: &mut State) {
+        if st.closed {
+            return;
+        }
+        self.drain(st);
+        self.fill(st);
+        let full = self.publish(st);
+        // Production waits for the client: no slot is free and none fills.
+        let blocked = self.sampler.batches_per_epoch() > 0
+            && !st.slots.iter().any(|s| matches!(s.state, SlotState::Free | SlotState::Filling { .. }));
+        if blocked || full {
+            let control = self.shm.control.control();
+            st.publisher.want_wake(control);
+            // A release or a take that raced with the request: one side saw the other.
+            let before = st.publisher.untaken(control);
+            let mut again = Vec::new();
+            let had = st.publisher.take_releases(control, &mut again).map(|()| !again.is_empty()).unwrap_or(false);
+            for id in again {
+                self.release_slot(st, id);
+            }
+            if had || (full && st.publisher.untaken(control) < before) {
+                self.fill(st);
+                self.publish(st);
+            }
+        }
+    }
+
+    /// Moves to `epoch`, resuming at `step`; prefetched batches are dropped
+    /// and records not yet taken reclaimed. Returns the sequence number of
+    /// the new position's first record.
+    pub fn set_epoch(self: &Arc<Self>, epoch: u64, step: u64) -> Result<u32, String> {
         let batches = self.sampler.batches_per_epoch();
         if step > batches {
             return Err(format!(
@@ -304,76 +459,209 @@ impl Stream {
             ));
         }
         let mut st = self.lock();
-        if (st.epoch, st.next_deliver) == (epoch, step) {
-            return Ok(());
+        let control = self.shm.control.control();
+        self.drain(&mut st);
+        // Batches published and not taken go back to the pool.
+        let untaken = st.publisher.untaken(control);
+        let first_untaken = st.publisher.published().wrapping_sub(untaken);
+        let reclaim: Vec<u32> = st
+            .published
+            .iter()
+            .filter(|(seq, _)| seq.wrapping_sub(first_untaken) < untaken)
+            .map(|&(_, slot)| slot)
+            .collect();
+        for slot in reclaim {
+            self.release_slot(&mut st, slot);
         }
+        st.published.clear();
+        st.failures.clear();
+        st.exhausted = None;
         st.generation += 1;
         st.epoch = epoch;
         st.next_deliver = step;
         st.produce_epoch = epoch;
         st.next_produce = step;
         for s in &mut st.slots {
-            if matches!(s, Slot::Ready { .. }) {
-                *s = Slot::Free;
+            if matches!(s.state, SlotState::Ready { .. }) {
+                s.state = SlotState::Free;
             }
         }
-        self.fill(&mut st);
-        drop(st);
-        self.changed.notify_waiters();
-        Ok(())
+        let skip_to = st.publisher.published();
+        self.advance(&mut st);
+        Ok(skip_to)
     }
 
-    /// Stops producing; running fills finish and are discarded.
-    pub fn close(&self) {
+    /// Stops producing; running fills finish and are discarded. With
+    /// `notify`, a `Closed` record wakes a client waiting for its next batch
+    /// (the daemon is shutting down).
+    pub fn close(&self, notify: bool) {
         let mut st = self.lock();
+        if notify && !st.closed && st.publisher.has_room(self.shm.control.control()) {
+            let record = Record { kind: RecordKind::Closed, slot: 0, segment: 0, epoch: 0, step: 0, rows: 0 };
+            self.publish_record(&mut st, record);
+        }
         st.closed = true;
         st.generation += 1;
         drop(st);
         self.meta.counters.observe_skips(&self.source);
-        self.changed.notify_waiters();
     }
 
-    /// Starts fills for the next steps while free slots remain.
+    /// The answer to `Fetch { seq }`.
+    pub fn fetch(self: &Arc<Self>, seq: u32) -> Fetched {
+        let mut st = self.lock();
+        if let Some(at) = st.failures.iter().position(|f| f.0 == seq) {
+            let (_, epoch, step, message) = st.failures.remove(at).expect("found above");
+            return Fetched::Failed { epoch, step, message };
+        }
+        if st.exhausted != Some(seq) {
+            return Fetched::Unknown;
+        }
+        st.exhausted = None;
+        self.advance(&mut st);
+        match st.exhausted {
+            // Still exhausted: `advance` published a fresh record for the next wait.
+            Some(_) => Fetched::Exhausted(self.exhausted_message(&st)),
+            None => Fetched::Resumed,
+        }
+    }
+
+    fn exhausted_message(&self, st: &State) -> String {
+        let held = st.slots.iter().filter(|s| s.state == SlotState::Leased).count();
+        let [client, daemon] = &self.shm.budgets;
+        format!(
+            "this process holds all {held} batches of the stream that its shared-memory budget allows \
+             ({} of {} bytes, [limits] max_ring_bytes_per_client; the daemon has {} of {} bytes in use, \
+             [limits] max_memory_bytes), so no further batch can be produced; drop references to old batches \
+             (copy what you keep), or ask the admin to raise the limit",
+            client.used(),
+            client.limit(),
+            daemon.used(),
+            daemon.limit()
+        )
+    }
+
+    /// The segment of extra slot `slot`, for `Request::Segment`.
+    pub fn segment(&self, slot: u32) -> Option<SegmentInfo> {
+        let st = self.lock();
+        let seg = st.slots.get(slot as usize)?.segment.as_ref()?;
+        Some(SegmentInfo { ring: seg.ring.clone(), generation: seg.generation })
+    }
+
+    /// Creates an extra one-slot segment of `layout` within both budgets and
+    /// returns its slot id.
+    fn grow(&self, st: &mut State, layout: &BatchLayout, oversize: bool) -> Result<usize, String> {
+        let bytes = layout
+            .checked_ring_bytes(1)
+            .ok_or_else(|| format!("a slot of {} bytes does not fit in memory", layout.slot_bytes))?;
+        let [client, daemon] = &self.shm.budgets;
+        let mine = client.reserve(bytes).map_err(|used| {
+            format!(
+                "another slot of {bytes} bytes would exceed this client's shared-memory budget ({used} of {} bytes \
+                 in use, [limits] max_ring_bytes_per_client)",
+                client.limit()
+            )
+        })?;
+        let ours = daemon.reserve(bytes).map_err(|used| {
+            format!(
+                "another slot of {bytes} bytes would exceed the daemon's memory budget ({used} of {} bytes in use, \
+                 [limits] max_memory_bytes)",
+                daemon.limit()
+            )
+        })?;
+        let ring = Ring::create(&format!("stoker-stream-{}-extra", self.meta.id), layout, 1)
+            .map_err(|e| format!("cannot create shared memory of {bytes} bytes: {e}"))?;
+        let generation = st.next_segment;
+        st.next_segment = st.next_segment.wrapping_add(1).max(1);
+        let segment = Some(Segment { ring, generation, oversize, _reserved: [mine, ours] });
+        let id = match st.slots.iter().position(|s| s.state == SlotState::Absent) {
+            Some(id) => id,
+            None => {
+                st.slots.push(Slot { state: SlotState::Absent, segment: None });
+                st.slots.len() - 1
+            }
+        };
+        st.slots[id] = Slot { state: SlotState::Free, segment };
+        Ok(id)
+    }
+
+    /// Starts fills for the next steps while slots can be had.
     fn fill(self: &Arc<Self>, st: &mut State) {
         let batches = self.sampler.batches_per_epoch();
+        let depth = self.shm.ring.depth() as usize;
         while !st.closed && batches > 0 {
-            let Some(slot) = st.slots.iter().position(|s| *s == Slot::Free) else {
-                return;
+            // Standard slots first, then extras of the standard layout.
+            let free = st.slots.iter().enumerate().position(|(id, s)| {
+                s.state == SlotState::Free && (id < depth || s.segment.as_ref().is_some_and(|seg| !seg.oversize))
+            });
+            let slot = match free {
+                Some(slot) => slot,
+                None => {
+                    let busy = st.slots.iter().any(|s| matches!(s.state, SlotState::Filling { .. } | SlotState::Ready { .. }));
+                    let untaken = st.publisher.untaken(self.shm.control.control());
+                    if busy || untaken > 0 || st.exhausted.is_some() {
+                        // The client has batches to take or fills are running: wait for it.
+                        return;
+                    }
+                    // The client holds every slot: grow, or say it cannot.
+                    match self.grow(st, &self.shm.ring.layout().clone(), false) {
+                        Ok(slot) => slot,
+                        Err(why) => {
+                            tracing::debug!(stream = self.meta.id, %why, "cannot grow the ring");
+                            let record = Record { kind: RecordKind::Exhausted, slot: 0, segment: 0, epoch: st.epoch, step: st.next_deliver, rows: 0 };
+                            if st.publisher.has_room(self.shm.control.control()) {
+                                st.exhausted = Some(self.publish_record(st, record));
+                            }
+                            return;
+                        }
+                    }
+                }
             };
             if st.next_produce >= batches {
                 st.produce_epoch += 1;
                 st.next_produce = 0;
             }
             let step = st.next_produce;
-            let rows = self.sampler.rows(step);
-            let Some(writer) = self.ring.writer(slot as u32, 0..rows) else {
-                // Only reachable if a discarded fill still holds the slot; its
-                // completion frees the slot and calls fill again.
+            if !self.spawn_fill(st, slot, st.produce_epoch, step) {
                 return;
-            };
-            st.slots[slot] = Slot::Filling { generation: st.generation };
+            }
             st.next_produce += 1;
-            let (epoch, generation) = (st.produce_epoch, st.generation);
-            let stream = self.clone();
-            let parts = self.pool.current_num_threads();
-            self.pool.spawn(move || {
-                // Backstop: a panic outside the per-sample guard in `produce`.
-                let produced = catch_unwind(AssertUnwindSafe(|| stream.produce(writer, parts, epoch, generation, step)));
-                let error = produced.unwrap_or_else(|payload| {
-                    let why = panic_message(&*payload);
-                    tracing::error!(stream = stream.meta.id, dataset = %stream.meta.dataset, epoch, step, %why, "batch fill panicked");
-                    Some(format!(
-                        "dataset {}: producing batch {step} of epoch {epoch} failed inside the daemon (a bug: {why}); \
-                         the batch is skipped and the stream goes on — please report this with the daemon's log",
-                        stream.meta.dataset
-                    ))
-                });
-                stream.complete(slot, generation, epoch, step, rows, error);
-            });
         }
     }
 
-    /// Fills one batch; runs on the worker pool. Returns the first error.
+    /// Starts filling slot `id` with batch `step` of `epoch`. False if a
+    /// discarded fill still holds the slot (its completion frees the slot
+    /// and fills again).
+    fn spawn_fill(self: &Arc<Self>, st: &mut State, id: usize, epoch: u64, step: u64) -> bool {
+        let rows = self.sampler.rows(step);
+        let (ring, index) = self.ring_of(st, id);
+        let Some(writer) = ring.writer(index, 0..rows) else {
+            return false;
+        };
+        st.slots[id].state = SlotState::Filling { generation: st.generation };
+        let generation = st.generation;
+        let stream = self.clone();
+        let parts = self.pool.current_num_threads();
+        self.pool.spawn(move || {
+            // Backstop: a panic outside the per-sample guard in `produce`.
+            let produced = catch_unwind(AssertUnwindSafe(|| stream.produce(writer, parts, epoch, generation, step)));
+            let outcome = produced.unwrap_or_else(|payload| {
+                let why = panic_message(&*payload);
+                tracing::error!(stream = stream.meta.id, dataset = %stream.meta.dataset, epoch, step, %why, "batch fill panicked");
+                Outcome {
+                    error: Some(format!(
+                        "dataset {}: producing batch {step} of epoch {epoch} failed inside the daemon (a bug: {why}); \
+                         the batch is skipped and the stream goes on — please report this with the daemon's log",
+                        stream.meta.dataset
+                    )),
+                    ..Outcome::default()
+                }
+            });
+            stream.complete(id, generation, epoch, step, rows, outcome);
+        });
+        true
+    }
+
+    /// Fills one batch; runs on the worker pool.
     fn produce(
         &self,
         writer: crate::ring::SlotWriter,
@@ -381,16 +669,18 @@ impl Stream {
         epoch: u64,
         generation: u64,
         step: u64,
-    ) -> Option<String> {
+    ) -> Outcome {
         {
             let st = self.lock();
             if st.closed || st.generation != generation {
-                return None;
+                return Outcome::default();
             }
         }
         let perm = self.sampler.permutation(epoch);
         let seed = self.sampler.seed();
         let failure = Mutex::new(None::<String>);
+        let nfields = self.source.fields().len();
+        let oversize = Mutex::new((vec![0u64; nfields], None::<String>));
         let busy = AtomicU64::new(0);
         writer.split(parts, MIN_ROWS_PER_TASK).into_par_iter().for_each(|mut part| {
             let _timer = crate::metrics::Timer::new(&busy);
@@ -401,6 +691,13 @@ impl Stream {
                 let read = catch_unwind(AssertUnwindSafe(|| self.source.read_sample(sample, &mut part.row_mut(row))));
                 let error = match read {
                     Ok(Ok(())) => continue,
+                    Ok(Err(SourceError::Oversize { field, bytes, message })) if field < nfields => {
+                        // Measure the rest of the batch: it is produced again in a slot sized for it.
+                        let mut big = oversize.lock().unwrap_or_else(|e| e.into_inner());
+                        big.0[field] = big.0[field].max(bytes);
+                        big.1.get_or_insert(message);
+                        continue;
+                    }
                     Ok(Err(e)) => {
                         tracing::warn!(stream = self.meta.id, error = %e, "batch failed");
                         e.to_string()
@@ -422,31 +719,141 @@ impl Stream {
             }
         });
         self.meta.counters.filled(Duration::from_nanos(busy.into_inner()));
-        failure.into_inner().unwrap_or_else(|e| e.into_inner())
+        let (oversize, oversize_message) = oversize.into_inner().unwrap_or_else(|e| e.into_inner());
+        Outcome { error: failure.into_inner().unwrap_or_else(|e| e.into_inner()), oversize, oversize_message }
     }
 
-    fn complete(
-        self: &Arc<Self>,
-        slot: usize,
-        generation: u64,
-        epoch: u64,
-        step: u64,
-        rows: u64,
-        error: Option<String>,
-    ) {
+    fn complete(self: &Arc<Self>, id: usize, generation: u64, epoch: u64, step: u64, rows: u64, outcome: Outcome) {
         let mut st = self.lock();
         let current = st.generation == generation && !st.closed;
-        if current {
-            // No writer holds the slot any more: its shape table is final.
-            let bytes = if error.is_none() { self.ring.batch_bytes(slot as u32, rows) } else { 0 };
-            self.meta.counters.completed(bytes, error.is_some());
-        }
-        st.slots[slot] = if current { Slot::Ready { generation, epoch, step, rows, error } } else { Slot::Free };
         if !current {
-            self.fill(&mut st);
+            st.slots[id].state = SlotState::Free;
+            if st.slots[id].segment.as_ref().is_some_and(|s| s.oversize) {
+                st.slots[id] = Slot { state: SlotState::Absent, segment: None };
+            }
+            self.advance(&mut st);
+            return;
         }
-        drop(st);
-        self.changed.notify_waiters();
+        let Outcome { mut error, oversize, oversize_message } = outcome;
+        if error.is_none() && oversize.iter().any(|&b| b > 0) {
+            st.slots[id].state = SlotState::Free;
+            if st.slots[id].segment.as_ref().is_some_and(|s| s.oversize) {
+                st.slots[id] = Slot { state: SlotState::Absent, segment: None };
+            }
+            match self.oversize_layout(&oversize).and_then(|layout| self.grow(&mut st, &layout, true)) {
+                Ok(big) if self.spawn_fill(&mut st, big, epoch, step) => {
+                    tracing::debug!(stream = self.meta.id, epoch, step, "batch produced again in a slot of its own");
+                    return;
+                }
+                Ok(_) => error = Some("a fresh segment was already claimed (a bug)".to_string()),
+                Err(why) => {
+                    error = Some(format!("{}; {why}", oversize_message.unwrap_or_default()));
+                }
+            }
+        }
+        // No writer holds the slot any more: its shape table is final.
+        let bytes = if error.is_none() {
+            let (ring, index) = self.ring_of(&st, id);
+            ring.batch_bytes(index, rows)
+        } else {
+            0
+        };
+        self.meta.counters.completed(bytes, error.is_some());
+        st.slots[id].state = SlotState::Ready { generation, epoch, step, rows, error };
+        self.advance(&mut st);
+    }
+
+    /// The stream's layout with the ragged rooms `oversize` asks for.
+    fn oversize_layout(&self, oversize: &[u64]) -> Result<BatchLayout, String> {
+        let layout = self.shm.ring.layout();
+        let decls = self.source.fields().iter().zip(oversize).map(|(f, &need)| {
+            let mut decl = f.decl();
+            if need > 0 {
+                let room = need.checked_next_multiple_of(FIELD_ALIGN).unwrap_or(need);
+                decl.max_sample_bytes = Some(decl.max_sample_bytes.unwrap_or(0).max(room));
+            }
+            decl
+        });
+        BatchLayout::new(layout.batch_size, decls, &self.shm.limits).map_err(|e| e.to_string())
+    }
+
+    /// Publishes, in step order, everything that is ready. Returns true when
+    /// the record queue is full (the client has not taken enough).
+    fn publish(&self, st: &mut State) -> bool {
+        let control = self.shm.control.control();
+        let batches = self.sampler.batches_per_epoch();
+        loop {
+            if st.closed {
+                return false;
+            }
+            if !st.publisher.has_room(control) {
+                return true;
+            }
+            if st.next_deliver >= batches {
+                // The end of an epoch production has moved past (or of any
+                // epoch, when this rank has no batches: once per `set_epoch`).
+                if st.epoch > st.produce_epoch || (batches == 0 && st.epoch != st.produce_epoch) {
+                    return false;
+                }
+                let record =
+                    Record { kind: RecordKind::EndOfEpoch, slot: 0, segment: 0, epoch: st.epoch, step: 0, rows: 0 };
+                self.publish_record(st, record);
+                st.epoch += 1;
+                st.next_deliver = 0;
+                continue;
+            }
+            let (generation, epoch, step) = (st.generation, st.epoch, st.next_deliver);
+            let ready = st.slots.iter().position(|s| {
+                matches!(&s.state, SlotState::Ready { generation: g, epoch: e, step: k, .. } if (*g, *e, *k) == (generation, epoch, step))
+            });
+            let Some(id) = ready else { return false };
+            let SlotState::Ready { rows, error, .. } = std::mem::replace(&mut st.slots[id].state, SlotState::Leased)
+            else {
+                unreachable!("matched Ready above");
+            };
+            st.next_deliver += 1;
+            if let Some(message) = error {
+                st.slots[id].state = SlotState::Free;
+                if st.slots[id].segment.as_ref().is_some_and(|s| s.oversize) {
+                    st.slots[id] = Slot { state: SlotState::Absent, segment: None };
+                }
+                let record = Record { kind: RecordKind::Failed, slot: 0, segment: 0, epoch, step, rows: 0 };
+                let seq = self.publish_record(st, record);
+                st.failures.push_back((seq, epoch, step, message));
+                while st.failures.len() > RECORDS as usize {
+                    st.failures.pop_front();
+                }
+                continue;
+            }
+            let segment = st.slots[id].segment.as_ref().map_or(0, |s| s.generation);
+            let record = Record { kind: RecordKind::Batch, slot: id as u32, segment, epoch, step, rows };
+            let seq = self.publish_record(st, record);
+            st.published.push_back((seq, id as u32));
+            let untaken = st.publisher.untaken(control);
+            while st.published.len() > untaken as usize {
+                st.published.pop_front();
+            }
+            let now = Instant::now();
+            st.delivered += 1;
+            let (ring, index) = self.ring_of(st, id);
+            let bytes = ring.batch_bytes(index, rows);
+            st.bytes_delivered = st.bytes_delivered.saturating_add(bytes);
+            st.recent.push_back((now, bytes));
+            while st.recent.front().is_some_and(|(t, _)| now.duration_since(*t) > RATE_WINDOW) {
+                st.recent.pop_front();
+            }
+        }
+    }
+
+    /// Publishes one record and wakes a sleeping client. Returns its sequence number.
+    fn publish_record(&self, st: &mut State, record: Record) -> u32 {
+        let control = self.shm.control.control();
+        let (seq, wake) = st.publisher.publish(control, record);
+        if wake {
+            // Not FUTEX_PRIVATE: the client sleeps in another process, on its own mapping of the page.
+            let _ = rustix::thread::futex::wake(&control.daemon.published, rustix::thread::futex::Flags::empty(), u32::MAX);
+        }
+        seq
     }
 
     /// Status line for `stoker status`.
@@ -461,9 +868,12 @@ impl Stream {
         let span = st.recent.front().map_or(0.0, |(t, _)| now.duration_since(*t).as_secs_f64()).max(1e-3);
         let (batches_per_s, mb_per_s) =
             if count < 2 { (0.0, 0.0) } else { (count as f64 / span, bytes as f64 / span / 1e6) };
-        // A wait still in progress counts: a client stuck right now is stalled.
-        let wait_s = (st.wait + st.waiting_since.map_or(Duration::ZERO, |t| now.duration_since(t))).as_secs_f64();
         let open_s = now.duration_since(self.opened).as_secs_f64();
+        // The client's own count of time spent waiting (it sleeps on the
+        // control page, where the daemon cannot see it); a claim, so clamped.
+        let wait_s = (st.publisher.client_wait_ns(self.shm.control.control()) as f64 / 1e9).clamp(0.0, open_s);
+        let untaken = st.publisher.untaken(self.shm.control.control()) as usize;
+        let leased = st.slots.iter().filter(|s| s.state == SlotState::Leased).count();
         StreamStatus {
             id: self.meta.id,
             client_id: self.meta.client_id,
@@ -483,10 +893,11 @@ impl Stream {
             slots_filled: st
                 .slots
                 .iter()
-                .filter(|s| matches!(s, Slot::Ready { generation, .. } if *generation == st.generation))
-                .count() as u64,
-            slots_leased: st.slots.iter().filter(|s| **s == Slot::Leased).count() as u64,
-            depth: u64::from(self.ring.depth()),
+                .filter(|s| matches!(s.state, SlotState::Ready { generation, .. } if generation == st.generation))
+                .count()
+                .saturating_add(untaken.min(leased)) as u64,
+            slots_leased: leased.saturating_sub(untaken) as u64,
+            depth: st.slots.iter().filter(|s| s.state != SlotState::Absent).count() as u64,
         }
     }
 }
@@ -507,10 +918,11 @@ pub fn panic_message(payload: &(dyn Any + Send)) -> String {
 
 #[cfg(test)]
 mod tests {
+    use stoker_proto::ctrl::Consumer;
     use stoker_proto::{DType, LayoutLimits};
 
     use super::*;
-    use crate::source::{FieldOut, FieldSpec, SourceError};
+    use crate::source::{FieldOut, FieldSpec};
 
     /// One scalar u64 field: each source below writes the sample's index into it.
     fn u64_field() -> FieldSpec {
@@ -519,8 +931,9 @@ mod tests {
 
     /// A stream over `source` (`samples` long, unshuffled, one rank) with a
     /// ring of `depth` slots of `batch` rows, filled by `threads` workers,
-    /// starting at `(epoch, step)`.
-    fn start(
+    /// starting at `(epoch, step)`, with a client budget of `budget` bytes.
+    #[allow(clippy::too_many_arguments)]
+    fn start_with(
         source: Arc<dyn Source>,
         dataset: &str,
         samples: u64,
@@ -528,10 +941,20 @@ mod tests {
         depth: u32,
         threads: usize,
         (epoch, step): (u64, u64),
+        budget: u64,
     ) -> Arc<Stream> {
         let fields: Vec<_> = source.fields().iter().map(|f| f.decl()).collect();
         let layout = BatchLayout::new(batch, fields, &LayoutLimits::DEFAULT).unwrap();
         let ring = Ring::create(dataset, &layout, depth).unwrap();
+        let budgets = [Budget::new(budget), Budget::new(u64::MAX)];
+        let reserved = vec![budgets[0].reserve(ring.bytes()).unwrap()];
+        let shm = Shm {
+            ring,
+            control: ControlPage::create(dataset).unwrap(),
+            budgets,
+            reserved,
+            limits: LayoutLimits::DEFAULT,
+        };
         let pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap());
         let meta = StreamMeta {
             id: 1,
@@ -543,7 +966,92 @@ mod tests {
             counters: Default::default(),
         };
         let sampler = Sampler::new(samples, 0, 1, batch, false, 0, false);
-        Stream::start(meta, source, sampler, ring, pool, epoch, step)
+        Stream::start(meta, source, sampler, shm, pool, epoch, step)
+    }
+
+    fn start(
+        source: Arc<dyn Source>,
+        dataset: &str,
+        samples: u64,
+        batch: u64,
+        depth: u32,
+        threads: usize,
+        at: (u64, u64),
+    ) -> Arc<Stream> {
+        start_with(source, dataset, samples, batch, depth, threads, at, u64::MAX)
+    }
+
+    /// A client of a stream's control page, as the real one behaves.
+    struct Client {
+        stream: Arc<Stream>,
+        q: Consumer,
+    }
+
+    impl Client {
+        fn new(stream: &Arc<Stream>) -> Client {
+            Client { stream: stream.clone(), q: Consumer::default() }
+        }
+
+        /// The next record, waiting up to 10 s.
+        fn try_take(&mut self, wait: Duration) -> Option<(u32, Record)> {
+            let deadline = Instant::now() + wait;
+            loop {
+                let control = self.stream.control().control();
+                if let Some(got) = self.q.poll(control).unwrap() {
+                    return Some(got);
+                }
+                if self.q.take_wake(control) {
+                    self.stream.wake();
+                }
+                if Instant::now() >= deadline {
+                    return None;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+
+        fn take(&mut self) -> Record {
+            match self.try_take(Duration::from_secs(10)) {
+                Some((_, rec)) => rec,
+                None => {
+                    let st = self.stream.lock();
+                    let states: Vec<_> = st.slots.iter().map(|s| format!("{:?}", s.state)).collect();
+                    let c = self.stream.control().control();
+                    panic!(
+                        "no record within 10 s: epoch {} step {} produce {}:{} published {} exhausted {:?} slots {states:?} \
+                         waiting {} released {} reclaimed {} consumed {}",
+                        st.epoch, st.next_deliver, st.produce_epoch, st.next_produce, st.publisher.published(), st.exhausted,
+                        c.daemon.daemon_waiting.load(Ordering::Relaxed), c.client.released.load(Ordering::Relaxed),
+                        c.daemon.reclaimed.load(Ordering::Relaxed), c.client.consumed.load(Ordering::Relaxed),
+                    )
+                }
+            }
+        }
+
+        fn give_back(&mut self, slot: u32) {
+            if self.q.release(self.stream.control().control(), slot).expect("room in the release queue") {
+                self.stream.wake();
+            }
+        }
+
+        fn set_epoch(&mut self, epoch: u64, step: u64) {
+            let skip_to = self.stream.set_epoch(epoch, step).unwrap();
+            self.q.skip_to(self.stream.control().control(), skip_to);
+        }
+
+        /// The value written in row `row` of a batch record.
+        fn value(&self, rec: &Record, row: u64) -> u64 {
+            let (ring, index) = {
+                let st = self.stream.lock();
+                self.stream.ring_of(&st, rec.slot as usize)
+            };
+            let layout = ring.layout();
+            let at = layout.slot_offset(index) + layout.fields[0].offset + row * 8;
+            let fd = ring.fd().try_clone_to_owned().unwrap();
+            let mut buf = [0u8; 8];
+            rustix::io::pread(&fd, &mut buf, at).unwrap();
+            u64::from_ne_bytes(buf)
+        }
     }
 
     /// Writes each sample's index; panics on one of them, as a buggy decoder would.
@@ -577,25 +1085,30 @@ mod tests {
     fn a_panicking_source_fails_one_batch_and_the_stream_goes_on() {
         let source = Arc::new(Panicky { fields: vec![u64_field()], panic_on: 5 });
         let stream = start(source, "panicky", 32, 4, 3, 2, (0, 0));
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let mut client = Client::new(&stream);
         let mut outcomes = Vec::new();
-        runtime.block_on(async {
-            loop {
-                match stream.next().await {
-                    Delivery::Batch(b) => {
-                        assert_eq!(b.step, outcomes.len() as u64);
-                        // Sample indices are in order without shuffling: row r of step s is 4s + r.
-                        let bytes = stream.ring().batch_bytes(b.slot, b.rows);
-                        assert_eq!(bytes, 4 * 8);
-                        outcomes.push(Ok(b.step));
-                        assert!(stream.release(b.slot));
+        loop {
+            let rec = client.take();
+            match rec.kind {
+                RecordKind::Batch => {
+                    assert_eq!(rec.step, outcomes.len() as u64);
+                    // Sample indices are in order without shuffling: row r of step s is 4s + r.
+                    for row in 0..4 {
+                        assert_eq!(client.value(&rec, row), 4 * rec.step + row);
                     }
-                    Delivery::Failed { message, .. } => outcomes.push(Err(message)),
-                    Delivery::EndOfEpoch(0) => break,
-                    other => panic!("unexpected {other:?}"),
+                    outcomes.push(Ok(rec.step));
+                    client.give_back(rec.slot);
                 }
+                RecordKind::Failed => {
+                    let Fetched::Failed { message, .. } = stream.fetch(client.q.next_seq() - 1) else {
+                        panic!("a failed record has its message")
+                    };
+                    outcomes.push(Err(message));
+                }
+                RecordKind::EndOfEpoch => break,
+                other => panic!("unexpected {other:?}"),
             }
-        });
+        }
         assert_eq!(outcomes.len(), 8, "{outcomes:?}");
         for (step, outcome) in outcomes.iter().enumerate() {
             match (step, outcome) {
@@ -610,9 +1123,8 @@ mod tests {
             }
         }
         // The pool survived: a second epoch is produced as well.
-        runtime.block_on(async {
-            assert!(matches!(stream.next().await, Delivery::Batch(BatchReady { epoch: 1, step: 0, .. })));
-        });
+        let rec = client.take();
+        assert_eq!((rec.kind, rec.epoch, rec.step), (RecordKind::Batch, 1, 0));
     }
 
     /// Writes each sample's index, but only as far as the test lets it: a
@@ -661,49 +1173,33 @@ mod tests {
         (source, stream)
     }
 
-    fn runtime() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap()
-    }
-
     #[test]
-    fn a_release_while_next_waits_does_not_answer_the_next() {
+    fn a_release_publishes_nothing_out_of_order() {
         let (gate, stream) = gated_stream(2);
-        let rt = runtime();
+        let mut client = Client::new(&stream);
         gate.allow(2);
-        let first = match rt.block_on(stream.next()) {
-            Delivery::Batch(b) => b,
-            other => panic!("expected batch 0, got {other:?}"),
-        };
+        let first = client.take();
         assert_eq!(first.step, 0);
-        // Batch 1 is filling (gated); a Next waits for it.
-        let waiting = rt.spawn({
-            let stream = stream.clone();
-            async move { stream.next().await }
+        // Batch 1 is filling (gated): a release from another thread frees a
+        // slot but publishes nothing.
+        let client = std::sync::Mutex::new(client);
+        std::thread::scope(|s| {
+            s.spawn(|| client.lock().unwrap().give_back(first.slot));
         });
-        std::thread::sleep(Duration::from_millis(20));
-        assert!(!waiting.is_finished());
-        // A release from another thread frees a slot but does not satisfy the wait.
-        let releaser = std::thread::spawn({
-            let stream = stream.clone();
-            move || stream.release(first.slot)
-        });
-        assert!(releaser.join().unwrap());
-        std::thread::sleep(Duration::from_millis(20));
-        assert!(!waiting.is_finished(), "the waiting Next returned before its batch was ready");
+        let mut client = client.into_inner().unwrap();
+        assert!(client.try_take(Duration::from_millis(30)).is_none(), "a record before its batch was ready");
         gate.allow(2);
-        match rt.block_on(waiting).unwrap() {
-            Delivery::Batch(b) => assert_eq!((b.epoch, b.step), (0, 1)),
-            other => panic!("expected batch 1, got {other:?}"),
-        }
+        let rec = client.take();
+        assert_eq!((rec.epoch, rec.step), (0, 1));
     }
 
     #[test]
-    fn deliveries_stay_in_step_order_whatever_the_clients_release_order() {
+    fn records_stay_in_step_order_whatever_the_clients_release_order() {
         let (gate, stream) = gated_stream(4);
         gate.allow(u64::MAX / 2);
-        let rt = runtime();
+        let mut client = Client::new(&stream);
         let mut rng = 0x9e37_79b9_7f4a_7c15u64;
-        let mut held: Vec<BatchReady> = Vec::new();
+        let mut held: Vec<Record> = Vec::new();
         let mut steps = Vec::new();
         while steps.len() < 8 * 3 {
             rng ^= rng << 13;
@@ -712,51 +1208,177 @@ mod tests {
             // Hold up to three batches, releasing a random one of them now and then.
             if held.len() == 3 || (!held.is_empty() && rng.is_multiple_of(3)) {
                 let b = held.swap_remove((rng >> 8) as usize % held.len());
-                assert!(stream.release(b.slot));
-                assert!(!stream.release(b.slot), "a slot is released once");
+                client.give_back(b.slot);
                 continue;
             }
-            match rt.block_on(stream.next()) {
-                Delivery::Batch(b) => {
-                    steps.push((b.epoch, b.step));
-                    held.push(b);
+            let rec = client.take();
+            match rec.kind {
+                RecordKind::Batch => {
+                    steps.push((rec.epoch, rec.step));
+                    held.push(rec);
                 }
-                Delivery::EndOfEpoch(_) => {}
+                RecordKind::EndOfEpoch => {}
                 other => panic!("unexpected {other:?}"),
             }
         }
         let want: Vec<(u64, u64)> = (0..3).flat_map(|e| (0..8).map(move |s| (e, s))).collect();
         assert_eq!(steps, want);
+        assert!(!stream.release(held[0].slot + 100), "a slot id that does not exist is refused");
     }
 
     #[test]
     fn a_failed_batch_names_its_step_and_the_stream_moves_past_it() {
         let source = Arc::new(Panicky { fields: vec![u64_field()], panic_on: 9 });
         let stream = start(source, "p", 32, 4, 2, 1, (3, 1));
-        let rt = runtime();
-        match rt.block_on(stream.next()) {
-            Delivery::Batch(b) => {
-                assert_eq!((b.epoch, b.step), (3, 1));
-                stream.release(b.slot);
-            }
-            other => panic!("{other:?}"),
-        }
-        assert!(matches!(rt.block_on(stream.next()), Delivery::Failed { epoch: 3, step: 2, .. }));
-        assert!(matches!(rt.block_on(stream.next()), Delivery::Batch(BatchReady { epoch: 3, step: 3, .. })));
+        let mut client = Client::new(&stream);
+        let rec = client.take();
+        assert_eq!((rec.kind, rec.epoch, rec.step), (RecordKind::Batch, 3, 1));
+        client.give_back(rec.slot);
+        let rec = client.take();
+        assert_eq!((rec.kind, rec.epoch, rec.step), (RecordKind::Failed, 3, 2));
+        assert!(matches!(stream.fetch(client.q.next_seq() - 1), Fetched::Failed { epoch: 3, step: 2, .. }));
+        assert!(matches!(stream.fetch(client.q.next_seq() - 1), Fetched::Unknown), "a message is fetched once");
+        let rec = client.take();
+        assert_eq!((rec.kind, rec.epoch, rec.step), (RecordKind::Batch, 3, 3));
     }
 
     #[test]
-    fn set_epoch_discards_prefetch_and_resumes_at_the_step() {
+    fn set_epoch_discards_prefetch_reclaims_untaken_records_and_resumes_at_the_step() {
         let (gate, stream) = gated_stream(3);
         gate.allow(u64::MAX / 2);
-        let rt = runtime();
-        let Delivery::Batch(b) = rt.block_on(stream.next()) else { panic!("no batch") };
-        assert!(stream.release(b.slot));
-        stream.set_epoch(5, 6).unwrap();
-        match rt.block_on(stream.next()) {
-            Delivery::Batch(b) => assert_eq!((b.epoch, b.step), (5, 6)),
+        let mut client = Client::new(&stream);
+        let rec = client.take();
+        client.give_back(rec.slot);
+        // Let the ring fill up with published, untaken batches.
+        std::thread::sleep(Duration::from_millis(50));
+        client.set_epoch(5, 6);
+        let rec = client.take();
+        assert_eq!((rec.kind, rec.epoch, rec.step), (RecordKind::Batch, 5, 6));
+        assert_eq!(client.value(&rec, 0), 12);
+        // Every slot came back: the untaken ones were reclaimed, so holding
+        // this one the other two still fill.
+        let next = client.take();
+        assert_eq!((next.epoch, next.step), (5, 7));
+        assert!(stream.set_epoch(5, 9).is_err(), "a step past the epoch is refused");
+        assert_eq!(stream.status().depth, 3, "no extra segment was needed");
+    }
+
+    #[test]
+    fn holding_every_slot_grows_the_ring_and_shrinks_it_back() {
+        let (gate, stream) = gated_stream(2);
+        gate.allow(u64::MAX / 2);
+        let mut client = Client::new(&stream);
+        let mut held = Vec::new();
+        for step in 0..8 {
+            let rec = client.take();
+            assert_eq!((rec.kind, rec.step), (RecordKind::Batch, step));
+            assert_eq!(client.value(&rec, 1), 2 * step + 1);
+            held.push(rec);
+        }
+        assert!(stream.status().depth >= 8, "the ring grew to hold 8 batches");
+        assert!(stream.segment(held[7].slot).is_some(), "extra slots have segments");
+        for rec in held.drain(..) {
+            client.give_back(rec.slot);
+        }
+        // Back to the epoch's end and beyond, with nothing held.
+        for _ in 0..20 {
+            let rec = client.take();
+            if rec.kind == RecordKind::Batch {
+                client.give_back(rec.slot);
+            }
+        }
+        let live = stream.status().depth;
+        assert!(live <= 2 * 2 + 1, "extras beyond depth free ones are destroyed, {live} slots live");
+    }
+
+    #[test]
+    fn past_the_budget_holding_every_slot_is_an_error_until_one_comes_back() {
+        let source = Arc::new(Gated {
+            fields: vec![u64_field()],
+            allowed: std::sync::Mutex::new(u64::MAX / 2),
+            opened: std::sync::Condvar::new(),
+        });
+        // The ring (header + 2 slots of one page each) and one more slot.
+        let stream = start_with(source, "tight", 16, 2, 2, 1, (0, 0), 3 * 4096 + 4096 + 4096);
+        let mut client = Client::new(&stream);
+        let held: Vec<Record> = (0..3).map(|_| client.take()).collect();
+        assert!(held.iter().all(|r| r.kind == RecordKind::Batch));
+        let rec = client.take();
+        assert_eq!(rec.kind, RecordKind::Exhausted);
+        let seq = client.q.next_seq() - 1;
+        match stream.fetch(seq) {
+            Fetched::Exhausted(message) => {
+                assert!(message.contains("max_ring_bytes_per_client"), "{message}");
+            }
             other => panic!("{other:?}"),
         }
-        assert!(stream.set_epoch(5, 9).is_err(), "a step past the epoch is refused");
+        // Asking again is answered again, at once.
+        let again = client.take();
+        assert_eq!(again.kind, RecordKind::Exhausted);
+        // One batch comes back: the stream resumes.
+        client.give_back(held[0].slot);
+        assert!(matches!(stream.fetch(client.q.next_seq() - 1), Fetched::Resumed));
+        let rec = client.take();
+        assert_eq!((rec.kind, rec.step), (RecordKind::Batch, 3));
+    }
+
+    /// Ragged values of `len` u8s for sample i: i+1 bytes, except sample 5: `big` bytes.
+    #[derive(Debug)]
+    struct Ragged {
+        fields: Vec<FieldSpec>,
+        big: u64,
+    }
+
+    impl Source for Ragged {
+        fn len(&self) -> u64 {
+            16
+        }
+
+        fn fields(&self) -> &[FieldSpec] {
+            &self.fields
+        }
+
+        fn read_sample(&self, sample: SampleRef, out: &mut [FieldOut<'_>]) -> Result<(), SourceError> {
+            let n = if sample.index == 5 { self.big } else { sample.index + 1 };
+            let room = out[0].data.len() as u64;
+            if n > room {
+                return Err(SourceError::Oversize { field: 0, bytes: n, message: format!("{n} > {room}") });
+            }
+            out[0].data[..n as usize].fill(sample.index as u8);
+            out[0].shape.as_mut().unwrap()[0] = n;
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_batch_too_large_for_a_slot_gets_a_segment_of_its_own() {
+        let field = FieldSpec {
+            name: "v".into(),
+            origin: "test".into(),
+            dtype: DType::U8,
+            shape: vec![0],
+            max_sample_bytes: Some(64),
+        };
+        let source = Arc::new(Ragged { fields: vec![field], big: 50 * 64 });
+        let stream = start(source, "ragged", 16, 4, 2, 1, (0, 0));
+        let mut client = Client::new(&stream);
+        for step in 0..4 {
+            let rec = client.take();
+            assert_eq!((rec.kind, rec.step), (RecordKind::Batch, step));
+            let (ring, index) = {
+                let st = stream.lock();
+                stream.ring_of(&st, rec.slot as usize)
+            };
+            // Shapes and bytes as written, including the big one.
+            assert_eq!(ring.batch_bytes(index, rec.rows), (0..4).map(|r| if 4 * step + r == 5 { 3200 } else { 4 * step + r + 1 }).sum::<u64>());
+            if step == 1 {
+                assert!(rec.slot >= 2 && rec.segment != 0, "batch 1 (sample 5) is in an extra segment: {rec:?}");
+                assert!(ring.layout().slot_bytes > stream.layout().slot_bytes);
+            } else {
+                assert!(rec.slot < 2, "{rec:?}");
+            }
+            client.give_back(rec.slot);
+        }
+        assert!(stream.status().depth <= 3, "the oversize segment is gone after its release");
     }
 }

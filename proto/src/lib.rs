@@ -8,6 +8,7 @@
 //! [`PROTOCOL_VERSION`] gets [`ErrorKind::Version`] and the connection closes.
 #![forbid(unsafe_code)]
 
+pub mod ctrl;
 mod layout;
 mod message;
 
@@ -22,7 +23,7 @@ pub use message::{
 };
 
 /// Version of the wire protocol; bumped on any incompatible change.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Socket path used when neither `--socket`, `$STOKER_SOCKET` nor a config says otherwise.
 pub const DEFAULT_SOCKET: &str = "/run/stoker/stoker.sock";

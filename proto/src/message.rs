@@ -19,9 +19,11 @@ pub enum Request {
         /// The batch job the client runs in (`$SLURM_JOB_ID`), for the audit log.
         job: Option<String>,
     },
-    /// Opens a stream; the reply carries the ring's memfd as `SCM_RIGHTS`.
+    /// Opens a stream; the reply carries two memfds as `SCM_RIGHTS`: the ring,
+    /// then the control page ([`crate::ctrl`]).
     OpenStream(OpenStream),
-    /// Asks for the next batch of the stream's current epoch.
+    /// Unused since protocol 4 (batches are handed over through the control
+    /// page); answered with an error. Kept so variant numbers stay put.
     Next {
         /// Stream id from [`StreamInfo::stream`].
         stream: u64,
@@ -50,6 +52,29 @@ pub enum Request {
     Close {
         /// Stream id.
         stream: u64,
+    },
+    /// One-way: the client queued releases or took records after the daemon
+    /// asked for word ([`crate::ctrl::DaemonWords::daemon_waiting`]).
+    Wake {
+        /// Stream id.
+        stream: u64,
+    },
+    /// The details of control record `seq`: a failed batch's message
+    /// ([`Response::BatchFailed`]), or whether "every slot is held" still
+    /// holds ([`Response::Done`] if not, else an error).
+    Fetch {
+        /// Stream id.
+        stream: u64,
+        /// The record's sequence number.
+        seq: u32,
+    },
+    /// The memfd and layout of extra slot `slot` (a grown ring or an
+    /// oversized batch); answered by [`Response::Segment`] with the fd.
+    Segment {
+        /// Stream id.
+        stream: u64,
+        /// Slot id (at least the ring's depth).
+        slot: u32,
     },
 }
 
@@ -214,9 +239,9 @@ pub enum Response {
         /// Daemon version string.
         server: String,
     },
-    /// Reply to [`Request::OpenStream`]; the ring's memfd travels with it.
+    /// Reply to [`Request::OpenStream`]; the ring's and the control page's memfds travel with it.
     StreamOpened(StreamInfo),
-    /// A filled slot, now leased to the client until it sends [`Request::Release`].
+    /// Unused since protocol 4 (see [`crate::ctrl`]); kept so variant numbers stay put.
     Batch(BatchReady),
     /// Reply to [`Request::Next`] when batch `step` could not be produced: the
     /// stream moves past it, so the next `Next` gets `step + 1`.
@@ -230,7 +255,7 @@ pub enum Response {
         /// What went wrong (file, field, key or index) and what to do.
         message: String,
     },
-    /// Reply to [`Request::Next`] when the epoch has no more batches.
+    /// Unused since protocol 4 (see [`crate::ctrl`]); kept so variant numbers stay put.
     EndOfEpoch {
         /// Stream id.
         stream: u64,
@@ -249,6 +274,25 @@ pub enum Response {
         kind: ErrorKind,
         /// Human-readable message saying what went wrong and what to do.
         message: String,
+    },
+    /// The stream moved ([`Request::SetEpoch`]): control records before
+    /// `skip_to` belong to the old position and are to be skipped.
+    EpochSet {
+        /// Stream id.
+        stream: u64,
+        /// Sequence number of the first record of the new position.
+        skip_to: u32,
+    },
+    /// An extra slot's segment: its memfd travels with this message.
+    Segment {
+        /// Stream id.
+        stream: u64,
+        /// Slot id.
+        slot: u32,
+        /// Generation of the segment (as in the records naming it).
+        generation: u32,
+        /// Where fields lie in it (one slot, at [`BatchLayout::slot_offset`] 0).
+        layout: BatchLayout,
     },
 }
 

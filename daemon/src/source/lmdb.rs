@@ -444,6 +444,8 @@ impl LmdbSource {
             match self.read_index(SampleRef { index, ..sample }, out) {
                 Ok(()) => return Ok(index),
                 Err(e) if self.on_error == OnError::Fail => return Err(e),
+                // Not a bad value: the stream retries the batch in a bigger slot.
+                Err(e @ SourceError::Oversize { .. }) => return Err(e),
                 // A truncated or corrupt file fails every read alike: nothing to skip to.
                 Err(e) if self.poisoned().is_some() => return Err(e),
                 Err(e) => {
@@ -559,7 +561,8 @@ impl LmdbSource {
                 }
                 LmdbOut::Ragged { data, shape } => {
                     let info = plan.codec.probe(value).map_err(codec_err)?;
-                    let n = fits(plan, &info.shape, info.dtype, data.len()).map_err(err)?;
+                    let n = fits(plan, &info.shape, info.dtype, data.len(), self.max_value_bytes)
+                        .map_err(|f| f.into_error(i, &err))?;
                     plan.codec.decode_into(value, &info, &mut data[..n], scratch).map_err(codec_err)?;
                     shape.copy_from_slice(&info.shape);
                     info
@@ -613,7 +616,8 @@ impl LmdbSource {
                 shape.clone_from(&out_shape);
             }
             LmdbOut::Ragged { data, shape } => {
-                let n = fits(plan, &out_shape, out_dtype, data.len()).map_err(err)?;
+                let n = fits(plan, &out_shape, out_dtype, data.len(), self.max_value_bytes)
+                    .map_err(|f| f.into_error(i, &err))?;
                 apply(&mut data[..n], transform)?;
                 shape.copy_from_slice(&out_shape);
             }
@@ -851,26 +855,50 @@ fn probe_field(
     Ok((dtype, shape, largest))
 }
 
+/// Why a value does not go into its ragged row.
+enum Misfit {
+    /// Wrong dtype or number of dimensions, or beyond `[limits] max_sample_bytes`.
+    Bad(String),
+    /// Larger than the row's room: this many bytes.
+    Larger(u64, String),
+}
+
+impl Misfit {
+    /// The source error for field `field`; `err` adds the file, key and field.
+    fn into_error(self, field: usize, err: &dyn Fn(String) -> SourceError) -> SourceError {
+        match self {
+            Misfit::Bad(message) => err(message),
+            Misfit::Larger(bytes, message) => SourceError::Oversize { field, bytes, message: err(message).to_string() },
+        }
+    }
+}
+
 /// Bytes of a `shape` array of `dtype`, if it fits in a ragged row of `room`
 /// bytes and has the field's dtype and number of dimensions (`plan`).
-fn fits(plan: &FieldPlan, shape: &[u64], dtype: DType, room: usize) -> Result<usize, String> {
+fn fits(plan: &FieldPlan, shape: &[u64], dtype: DType, room: usize, limit: u64) -> Result<usize, Misfit> {
     if dtype != plan.dtype || shape.len() != plan.shape.len() {
         let laid_out: Vec<String> = plan.shape.iter().map(|d| d.map_or("*".into(), |d| d.to_string())).collect();
-        return Err(format!(
+        return Err(Misfit::Bad(format!(
             "the value is {dtype} {shape:?} but this variable-shape field was laid out as {} [{}] from the first \
              keys; a field's values must share dtype and number of dimensions",
             plan.dtype,
             laid_out.join(", ")
-        ));
+        )));
     }
     let n = shape.iter().try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d));
     match n.and_then(|n| usize::try_from(n).ok()) {
         Some(n) if n <= room => Ok(n),
-        _ => Err(format!(
-            "the value is {dtype} {shape:?} ({}), more than the {room} bytes reserved per sample of this \
-             variable-shape field; raise the field's max_sample_bytes",
-            n.map_or_else(|| "more than 2^64 bytes".to_string(), |n| format!("{n} bytes"))
+        Some(n) if n as u64 <= limit => Err(Misfit::Larger(
+            n as u64,
+            format!(
+                "the value is {dtype} {shape:?} ({n} bytes), more than the {room} bytes reserved per sample of this \
+                 variable-shape field"
+            ),
         )),
+        _ => Err(Misfit::Bad(format!(
+            "the value is {dtype} {shape:?} ({}), more than [limits] max_sample_bytes = {limit}",
+            n.map_or_else(|| "more than 2^64 bytes".to_string(), |n| format!("{n} bytes"))
+        ))),
     }
 }
 

@@ -237,6 +237,18 @@ pub enum SourceError {
     /// `[limits]` value or 64 bits; the message names file, field, size and key.
     #[error("{0}")]
     Limit(String),
+    /// A ragged field's value is larger than the room its slot row reserves
+    /// (but within `[limits] max_sample_bytes`): the stream produces this
+    /// batch again in a slot of its own, sized for it.
+    #[error("{message}")]
+    Oversize {
+        /// Index of the field among the source's fields.
+        field: usize,
+        /// Bytes the value needs.
+        bytes: u64,
+        /// What happened, for a log or an error if no bigger slot can be had.
+        message: String,
+    },
     /// Reading a sample failed.
     #[error("{path}: field {field:?} ({h5path:?}), sample {index} (row {row} of the file): {message}")]
     Read {
