@@ -91,16 +91,17 @@ def test_batch_and_total_ring_limits(
     """A batch larger than [limits] max_batch_bytes, and rings beyond the
     daemon-wide [limits] max_memory_bytes (rings plus the chunk cache), are refused with LimitError."""
     # A sample of x is 4 × 3 float32 = 48 bytes, a slot at least one page.
-    d = start_daemon(depth=2, extra="[limits]\nmax_batch_bytes = 8192\nmax_memory_bytes = 45056\n[cache]\nchunk_bytes = 4096\n")
+    d = start_daemon(depth=2, extra="[limits]\nmax_batch_bytes = 8192\nmax_memory_bytes = 90112\n[cache]\nchunk_bytes = 4096\n")
     with pytest.raises(stoker.LimitError) as exc:
         stoker.Loader(data.spec(stoker), batch_size=1000, socket=d.socket)
     assert_names(str(exc.value), "1000 rows", "[limits] max_batch_bytes", "8192", "use batch_size")
-    # Each stream of batch_size 16 takes a header page and two one-page slots (12 KiB):
-    # three fit beside the 4 KiB chunk cache in 44 KiB, across clients; the fourth does not.
+    # Each stream of batch_size 16 takes a header page and two one-page slots
+    # (12 KiB) and a 16 KiB control page: three fit beside the 4 KiB chunk
+    # cache in 88 KiB, across clients; the fourth does not.
     held = [stoker.Loader(data.spec(stoker), batch_size=16, socket=d.socket) for _ in range(3)]
     with pytest.raises(stoker.LimitError) as exc:
         stoker.Loader(data.spec(stoker), batch_size=16, socket=d.socket)
-    assert_names(str(exc.value), "[limits] max_memory_bytes", "45056", "already hold 36864", "4096 bytes of chunk cache")
+    assert_names(str(exc.value), "[limits] max_memory_bytes", "90112", "already hold 86016", "4096 bytes of chunk cache")
     held.pop().close()
     assert_still_serving(stoker, d, data)
     for loader in held:

@@ -998,26 +998,33 @@ def test_bad_value_among_probed_keys(stoker: Any, start_daemon: Callable[..., An
     assert any(s["skipped"] >= 1 for s in d.status()["skipped"])
 
 
-def test_ragged_max_sample_bytes(stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path) -> None:
-    """A variable-size value larger than the room reserved per sample fails
-    naming the key and max_sample_bytes; more room serves it."""
+def test_ragged_values_larger_than_their_room_get_a_slot_of_their_own(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A variable-size value larger than the room reserved per sample is
+    served exactly (its batch is produced again in a segment sized for it),
+    whatever room was guessed; only [limits] max_sample_bytes, the safety
+    limit, refuses it, naming the key and the limit."""
     n = 10
     imgs = [noise(6 + i % 3, 8 + i % 4, 3, seed=i) for i in range(n)]
     imgs[9] = noise(30, 40, 3, seed=9)  # 3600 bytes; the others at most 8 × 11 × 3 = 264
     env = write_env(tmp_path / "img", {key(i): png_of(a) for i, a in enumerate(imgs)})
     d = start_daemon()
-    spec = stoker.lmdb(env, fields={"img": "png"}, max_sample_bytes={"img": 1000})
-    small = stoker.Loader(spec, batch_size=4, shuffle=False, socket=d.socket)
+    for room in ({"img": 300}, {"img": 3600}, None):
+        spec = stoker.lmdb(env, fields={"img": "png"}, max_sample_bytes=room)
+        loader = stoker.Loader(spec, batch_size=4, shuffle=False, socket=d.socket)
+        for epoch in range(2):
+            served = [a for b in run_epoch(loader, epoch) for a in b["img"]]
+            assert len(served) == n
+            for i, a in enumerate(served):
+                assert_exact(f"img[{i}]", a, imgs[i])
+        loader.close()
+    limited = start_daemon(extra="[limits]\nmax_sample_bytes = 2000\n")
+    spec = stoker.lmdb(env, fields={"img": "png"}, max_sample_bytes={"img": 300})
+    small = stoker.Loader(spec, batch_size=4, shuffle=False, socket=limited.socket)
     with pytest.raises(stoker.DatasetError) as exc:
         run_epoch(small, 0)
     assert_names(str(exc.value), realpaths(env), key(9), "max_sample_bytes")
-    for room in ({"img": 3600}, None):
-        spec = stoker.lmdb(env, fields={"img": "png"}, max_sample_bytes=room)
-        loader = stoker.Loader(spec, batch_size=4, shuffle=False, socket=d.socket)
-        served = [a for b in run_epoch(loader, 0) for a in b["img"]]
-        assert len(served) == n
-        for i, a in enumerate(served):
-            assert_exact(f"img[{i}]", a, imgs[i])
 
 
 def test_key_selection(stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path) -> None:

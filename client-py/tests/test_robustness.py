@@ -162,16 +162,22 @@ def test_sigkilled_client_is_cleaned_up(start_daemon, data, stoker, poll_until, 
     assert d.alive()
 
 
-def test_holding_every_slot_raises_instead_of_deadlocking(start_daemon, data, stoker) -> None:
-    """A process that holds every slot of its stream and asks for another
-    batch could only wait forever; it gets a StokerError instead, and can go
-    on once it drops a batch."""
+def test_holding_every_slot_grows_the_ring_then_raises_past_the_budget(start_daemon, data, stoker) -> None:
+    """Prefetch depth is not hold capacity: a process that keeps every batch
+    gets more shared memory, up to [limits] max_ring_bytes_per_client; past it
+    the next batch raises LimitError (never a hang), and dropping one lets it
+    go on."""
     depth = 2
-    d = start_daemon(depth=depth)
+    # Ring: a header page and two one-page slots, plus a 16 KiB control page; room for 3 more slots.
+    d = start_daemon(depth=depth, extra="[limits]\nmax_ring_bytes_per_client = 40960\n")
     loader = stoker.Loader(data.spec(stoker), batch_size=BATCH, shuffle=False, socket=d.socket)
     it = iter(loader)
-    held = [next(it) for _ in range(depth)]
-    with pytest.raises(stoker.StokerError):
+    held = [next(it) for _ in range(depth + 3)]
+    with pytest.raises(stoker.LimitError) as exc:
+        next(it)
+    assert "max_ring_bytes_per_client" in str(exc.value)
+    assert isinstance(exc.value, MemoryError)
+    with pytest.raises(stoker.LimitError):
         next(it)
     labels = [data.check_batch(b) for b in held]
     del held

@@ -2,8 +2,8 @@
 //!
 //! Replies come back in request order. A request whose wait was interrupted
 //! still gets its reply later; the connection remembers how many replies it
-//! owes and discards them (releasing any slot they lease) before the next
-//! request, so an interrupted `next` never desynchronizes the stream.
+//! owes and discards them before the next request. (Batches do not travel
+//! here: they are taken from the stream's control page.)
 
 use std::collections::VecDeque;
 use std::io::Write;
@@ -21,8 +21,6 @@ use crate::{ClientError, INTERRUPT_POLL, Result};
 #[derive(Debug)]
 pub(crate) struct Conn {
     owner_pid: u32,
-    /// Per stream, `(epoch, step)` of the next batch it will deliver.
-    positions: Mutex<std::collections::HashMap<u64, (u64, u64)>>,
     reader: Mutex<Reader>,
     writer: Mutex<UnixStream>,
 }
@@ -42,7 +40,6 @@ impl Conn {
         let writer = sock.try_clone()?;
         Ok(Conn {
             owner_pid: std::process::id(),
-            positions: Mutex::new(std::collections::HashMap::new()),
             reader: Mutex::new(Reader { sock, buf: Vec::new(), fds: VecDeque::new(), owed: 0 }),
             writer: Mutex::new(writer),
         })
@@ -56,23 +53,15 @@ impl Conn {
         Ok(())
     }
 
-    pub(crate) fn set_position(&self, stream: u64, epoch: u64, step: u64) {
-        self.positions.lock().unwrap_or_else(|e| e.into_inner()).insert(stream, (epoch, step));
-    }
-
-    pub(crate) fn position(&self, stream: u64) -> (u64, u64) {
-        self.positions.lock().unwrap_or_else(|e| e.into_inner()).get(&stream).copied().unwrap_or((0, 0))
-    }
-
-    /// Advances a stream's position past a batch the daemon delivered or failed.
-    fn note(&self, resp: &Response) {
-        let (stream, epoch, next) = match resp {
-            Response::Batch(b) => (b.stream, b.epoch, b.step.saturating_add(1)),
-            Response::BatchFailed { stream, epoch, step, .. } => (*stream, *epoch, step.saturating_add(1)),
-            Response::EndOfEpoch { stream, epoch } => (*stream, epoch.saturating_add(1), 0),
-            _ => return,
-        };
-        self.set_position(stream, epoch, next);
+    /// Whether the daemon closed the connection (checked without blocking
+    /// and without consuming anything; `false` while another thread reads).
+    pub(crate) fn peer_closed(&self) -> bool {
+        let Ok(reader) = self.reader.try_lock() else { return false };
+        let mut byte = [0u8; 1];
+        matches!(
+            rustix::net::recv(&reader.sock, &mut byte, rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT),
+            Ok((0, _)) | Err(Errno::CONNRESET | Errno::PIPE)
+        )
     }
 
     /// Sends a message that gets no reply.
@@ -97,38 +86,30 @@ impl Conn {
         Ok(self.request_inner(req, interrupted)?.0)
     }
 
-    /// Sends `req` and waits for its reply and the fd that travels with it.
-    pub(crate) fn request_with_fd(
+    /// Sends `req` and waits for its reply and the fds that travel with it.
+    pub(crate) fn request_with_fds(
         &self,
         req: &Request,
         interrupted: &mut dyn FnMut() -> bool,
-    ) -> Result<(Response, Option<OwnedFd>)> {
+    ) -> Result<(Response, Vec<OwnedFd>)> {
         self.request_inner(req, interrupted)
     }
 
-    fn request_inner(
-        &self,
-        req: &Request,
-        interrupted: &mut dyn FnMut() -> bool,
-    ) -> Result<(Response, Option<OwnedFd>)> {
+    fn request_inner(&self, req: &Request, interrupted: &mut dyn FnMut() -> bool) -> Result<(Response, Vec<OwnedFd>)> {
         self.check_pid()?;
         let mut reader = self.reader.lock().unwrap_or_else(|e| e.into_inner());
         while reader.owed > 0 {
-            let stale = reader.read_frame(interrupted)?;
+            // A reply to a request whose wait was cut short: nothing to do
+            // with it (a `SetEpoch` is sent again by its stream).
+            reader.read_frame(interrupted)?;
             reader.owed -= 1;
             reader.fds.clear();
-            self.note(&stale);
-            if let Response::Batch(b) = stale {
-                self.send(&Request::Release { stream: b.stream, slot: b.slot })?;
-            }
         }
         self.send(req)?;
         match reader.read_frame(interrupted) {
             Ok(resp) => {
-                self.note(&resp);
-                let fd = reader.fds.pop_front();
-                reader.fds.clear();
-                Ok((resp, fd))
+                let fds = reader.fds.drain(..).collect();
+                Ok((resp, fds))
             }
             Err(ClientError::Interrupted) => {
                 reader.owed += 1;

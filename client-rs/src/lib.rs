@@ -12,10 +12,11 @@
 mod conn;
 mod mapping;
 
+use std::collections::HashMap;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 pub use stoker_proto as proto;
 use stoker_proto::{
@@ -24,7 +25,8 @@ use stoker_proto::{
 
 use conn::Conn;
 pub use mapping::Element;
-use mapping::Mapping;
+use mapping::{ControlMap, Mapping};
+use stoker_proto::ctrl::{Consumer, RecordKind};
 
 /// Everything that can go wrong talking to the daemon.
 #[derive(Debug, thiserror::Error)]
@@ -140,16 +142,29 @@ impl Client {
     /// Like [`Client::open_stream`], with an interrupt check as in [`Stream::next_interruptible`].
     pub fn open_stream_interruptible(&self, open: OpenStream, interrupted: &mut dyn FnMut() -> bool) -> Result<Stream> {
         let (epoch, step) = (open.epoch, open.step);
-        let (resp, fd) = self.conn.request_with_fd(&Request::OpenStream(open), interrupted)?;
+        let (resp, fds) = self.conn.request_with_fds(&Request::OpenStream(open), interrupted)?;
         let info = match resp {
             Response::StreamOpened(info) => info,
             other => return Err(unexpected(&other)),
         };
-        let fd =
-            fd.ok_or_else(|| ClientError::Protocol("the daemon opened a stream but sent no shared-memory fd".into()))?;
-        let mapping = Mapping::new(fd, &info.layout, info.depth)?;
-        self.conn.set_position(info.stream, epoch, step);
-        Ok(Stream { conn: self.conn.clone(), info, mapping: Arc::new(mapping) })
+        let [ring, control]: [_; 2] = fds.try_into().map_err(|fds: Vec<_>| {
+            ClientError::Protocol(format!(
+                "the daemon opened a stream with {} fds, not 2 (ring, control page)",
+                fds.len()
+            ))
+        })?;
+        let mapping = Arc::new(Mapping::new(ring, &info.layout, info.depth)?);
+        let control = ControlMap::new(control)?;
+        let shared = Arc::new(Shared {
+            conn: self.conn.clone(),
+            stream: info.stream,
+            control,
+            consumer: Mutex::new(Consumer::default()),
+            extras: Mutex::new(HashMap::new()),
+            position: Mutex::new((epoch, step)),
+            pending_epoch: Mutex::new(None),
+        });
+        Ok(Stream { info, mapping, shared })
     }
 
     /// The daemon's status report.
@@ -188,12 +203,49 @@ fn unexpected(resp: &Response) -> ClientError {
     }
 }
 
+/// How long `next` spins on the control page before it sleeps.
+const SPIN: Duration = Duration::from_micros(20);
+
+/// What a stream's batches and leases share.
+#[derive(Debug)]
+struct Shared {
+    conn: Arc<Conn>,
+    stream: u64,
+    control: ControlMap,
+    /// Taking records and queueing releases (one thread at a time).
+    consumer: Mutex<Consumer>,
+    /// Extra segments mapped so far: slot id → (generation, mapping).
+    extras: Mutex<HashMap<u32, (u32, Arc<Mapping>)>>,
+    /// `(epoch, step)` of the next batch the stream will deliver.
+    position: Mutex<(u64, u64)>,
+    /// A `SetEpoch` whose wait was cut short: sent again before the next batch.
+    pending_epoch: Mutex<Option<(u64, u64)>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Shared {
+    /// Gives `slot` back: through the control page, or by message when its
+    /// queue is full; wakes the daemon if it waits for it.
+    fn release(&self, slot: u32) {
+        let queued = lock(&self.consumer).release(self.control.control(), slot);
+        // A failed send means the connection is gone, and with it every lease.
+        let _ = match queued {
+            Some(false) => Ok(()),
+            Some(true) => self.conn.send_oneway(&Request::Wake { stream: self.stream }),
+            None => self.conn.send_oneway(&Request::Release { stream: self.stream, slot }),
+        };
+    }
+}
+
 /// A stream of batches from one dataset, for one rank.
 #[derive(Debug)]
 pub struct Stream {
-    conn: Arc<Conn>,
     info: StreamInfo,
     mapping: Arc<Mapping>,
+    shared: Arc<Shared>,
 }
 
 impl Stream {
@@ -202,7 +254,7 @@ impl Stream {
         &self.info
     }
 
-    /// Address range `(start, len)` of this stream's (copy-on-write) mapping.
+    /// Address range `(start, len)` of this stream's ring (copy-on-write mapping).
     pub fn mapping_range(&self) -> (usize, usize) {
         self.mapping.range()
     }
@@ -212,23 +264,36 @@ impl Stream {
         self.set_epoch_interruptible(epoch, step, &mut || false)
     }
 
-    /// Like [`Stream::set_epoch`], with an interrupt check as in [`Stream::next_interruptible`].
+    /// Like [`Stream::set_epoch`], with an interrupt check as in
+    /// [`Stream::next_interruptible`]. A no-op (no message) when the stream
+    /// is already there, as after an epoch ends.
     pub fn set_epoch_interruptible(&self, epoch: u64, step: u64, interrupted: &mut dyn FnMut() -> bool) -> Result<()> {
+        if lock(&self.shared.pending_epoch).is_none() && self.position() == (epoch, step) {
+            return Ok(());
+        }
+        // Nobody takes records while the stream moves.
+        let mut consumer = lock(&self.shared.consumer);
         let req = Request::SetEpoch { stream: self.info.stream, epoch, step };
-        match self.conn.request(&req, interrupted)? {
-            Response::Done => {
-                self.conn.set_position(self.info.stream, epoch, step);
+        match self.shared.conn.request(&req, interrupted) {
+            Ok(Response::EpochSet { skip_to, .. }) => {
+                consumer.skip_to(self.shared.control.control(), skip_to);
+                *lock(&self.shared.position) = (epoch, step);
+                *lock(&self.shared.pending_epoch) = None;
                 Ok(())
             }
-            other => Err(unexpected(&other)),
+            Ok(other) => Err(unexpected(&other)),
+            Err(e) => {
+                // The daemon may move anyway: move it again before the next batch.
+                *lock(&self.shared.pending_epoch) = Some((epoch, step));
+                Err(e)
+            }
         }
     }
 
     /// `(epoch, step)` of the next batch this stream will deliver, counting
-    /// every batch the daemon handed out or failed, including replies that
-    /// arrived after their wait was cut short (a timeout, Ctrl-C).
+    /// every batch taken or failed.
     pub fn position(&self) -> (u64, u64) {
-        self.conn.position(self.info.stream)
+        *lock(&self.shared.position)
     }
 
     /// Waits for the next batch; `None` at the end of the epoch.
@@ -238,32 +303,128 @@ impl Stream {
 
     /// Like [`Stream::next`], but calls `interrupted` every [`INTERRUPT_POLL`]
     /// while waiting and returns [`ClientError::Interrupted`] once it says so.
+    ///
+    /// A batch that is already waiting is taken from the control page with no
+    /// system call; otherwise the call spins briefly, then sleeps on a futex
+    /// the daemon wakes when it publishes.
     pub fn next_interruptible(&self, interrupted: &mut dyn FnMut() -> bool) -> Result<Option<Batch>> {
-        let req = Request::Next { stream: self.info.stream };
-        match self.conn.request(&req, interrupted)? {
-            Response::Batch(ready) => {
-                let lease = Lease {
-                    conn: self.conn.clone(),
-                    mapping: self.mapping.clone(),
-                    stream: self.info.stream,
-                    slot: ready.slot,
-                };
-                if ready.rows > self.info.layout.batch_size {
-                    return Err(ClientError::Protocol(format!(
-                        "batch of {} rows exceeds the batch size {}",
-                        ready.rows, self.info.layout.batch_size
-                    )));
-                }
-                Ok(Some(Batch { lease: Arc::new(lease), epoch: ready.epoch, step: ready.step, rows: ready.rows }))
-            }
-            Response::EndOfEpoch { .. } => Ok(None),
-            other => Err(unexpected(&other)),
+        let pending = *lock(&self.shared.pending_epoch);
+        if let Some((epoch, step)) = pending {
+            self.set_epoch_interruptible(epoch, step, interrupted)?;
         }
+        let control = self.shared.control.control();
+        let mut spin_until: Option<Instant> = None;
+        loop {
+            let taken = lock(&self.shared.consumer).poll(control).map_err(|e| ClientError::Protocol(e.to_string()))?;
+            if let Some((seq, rec)) = taken {
+                match rec.kind {
+                    RecordKind::Batch => {
+                        *lock(&self.shared.position) = (rec.epoch, rec.step.saturating_add(1));
+                        return self.batch(rec, interrupted).map(Some);
+                    }
+                    RecordKind::EndOfEpoch => {
+                        *lock(&self.shared.position) = (rec.epoch.saturating_add(1), 0);
+                        return Ok(None);
+                    }
+                    RecordKind::Failed => {
+                        *lock(&self.shared.position) = (rec.epoch, rec.step.saturating_add(1));
+                        let req = Request::Fetch { stream: self.info.stream, seq };
+                        return Err(unexpected(&self.shared.conn.request(&req, interrupted)?));
+                    }
+                    RecordKind::Exhausted => {
+                        let req = Request::Fetch { stream: self.info.stream, seq };
+                        match self.shared.conn.request(&req, interrupted)? {
+                            Response::Done => continue,
+                            other => return Err(unexpected(&other)),
+                        }
+                    }
+                    RecordKind::Closed => {
+                        return Err(ClientError::Disconnected("the daemon is shutting down".into()));
+                    }
+                }
+            }
+            // Nothing yet: spin a little (a batch is often microseconds away) ...
+            let now = Instant::now();
+            if *spin_until.get_or_insert(now + SPIN) > now {
+                std::hint::spin_loop();
+                continue;
+            }
+            // ... then sleep on `published` until the daemon publishes.
+            let sleep_on = {
+                let consumer = lock(&self.shared.consumer);
+                if consumer.take_wake(control) {
+                    self.shared.conn.send_oneway(&Request::Wake { stream: self.info.stream })?;
+                }
+                consumer.prepare_sleep(control)
+            };
+            if let Some(value) = sleep_on {
+                let timeout = rustix::fs::Timespec { tv_sec: 0, tv_nsec: INTERRUPT_POLL.as_nanos() as i64 };
+                let slept = Instant::now();
+                // Not FUTEX_PRIVATE: the daemon wakes it from another process.
+                let _ = rustix::thread::futex::wait(
+                    &control.daemon.published,
+                    rustix::thread::futex::Flags::empty(),
+                    value,
+                    Some(&timeout),
+                );
+                let waited = u64::try_from(slept.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                lock(&self.shared.consumer).done_sleeping(control, waited);
+                if interrupted() {
+                    return Err(ClientError::Interrupted);
+                }
+                if self.shared.conn.peer_closed() {
+                    return Err(ClientError::Disconnected("it closed the connection".into()));
+                }
+            }
+        }
+    }
+
+    /// The batch a record names, mapping its extra segment if need be.
+    fn batch(&self, rec: stoker_proto::ctrl::Record, interrupted: &mut dyn FnMut() -> bool) -> Result<Batch> {
+        let (mapping, index) = if rec.slot < self.info.depth {
+            (self.mapping.clone(), rec.slot)
+        } else {
+            (self.extra(rec.slot, rec.segment, interrupted)?, 0)
+        };
+        let lease = Lease { shared: self.shared.clone(), mapping, slot: rec.slot, index };
+        if rec.rows > lease.mapping.layout().batch_size {
+            return Err(ClientError::Protocol(format!(
+                "batch of {} rows exceeds the batch size {}",
+                rec.rows,
+                lease.mapping.layout().batch_size
+            )));
+        }
+        Ok(Batch { lease: Arc::new(lease), epoch: rec.epoch, step: rec.step, rows: rec.rows })
+    }
+
+    /// The mapping of extra slot `slot`'s segment of generation `generation`.
+    fn extra(&self, slot: u32, generation: u32, interrupted: &mut dyn FnMut() -> bool) -> Result<Arc<Mapping>> {
+        if let Some((g, mapping)) = lock(&self.shared.extras).get(&slot)
+            && *g == generation
+        {
+            return Ok(mapping.clone());
+        }
+        let req = Request::Segment { stream: self.info.stream, slot };
+        let (resp, fds) = self.shared.conn.request_with_fds(&req, interrupted)?;
+        let (got, layout) = match resp {
+            Response::Segment { generation, layout, .. } => (generation, layout),
+            other => return Err(unexpected(&other)),
+        };
+        let fd =
+            fds.into_iter().next().ok_or_else(|| ClientError::Protocol("a segment reply without its fd".into()))?;
+        if got != generation {
+            return Err(ClientError::Protocol(format!(
+                "slot {slot} holds segment {got}, not {generation} as its record says"
+            )));
+        }
+        let mapping = Arc::new(Mapping::new(fd, &layout, 1)?);
+        lock(&self.shared.extras).insert(slot, (generation, mapping.clone()));
+        Ok(mapping)
     }
 
     /// Closes the stream (dropping it without closing also frees it when the connection ends).
     pub fn close(&self) -> Result<()> {
-        match self.conn.request(&Request::Close { stream: self.info.stream }, &mut || false)? {
+        match self.shared.conn.request(&Request::Close { stream: self.info.stream }, &mut || false)? {
             Response::Done => Ok(()),
             other => Err(unexpected(&other)),
         }
@@ -273,19 +434,20 @@ impl Stream {
 /// Holds one slot; dropping it releases the slot to the daemon.
 #[derive(Debug)]
 struct Lease {
-    conn: Arc<Conn>,
+    shared: Arc<Shared>,
     mapping: Arc<Mapping>,
-    stream: u64,
+    /// Slot id (for the daemon).
     slot: u32,
+    /// The slot's index in `mapping`.
+    index: u32,
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
         // Writes to the batch were private copy-on-write pages: drop them so
         // the next batch in this slot is read from the daemon's pages.
-        self.mapping.discard(self.slot);
-        // A failed release means the connection is gone, and with it every lease.
-        let _ = self.conn.send_oneway(&Request::Release { stream: self.stream, slot: self.slot });
+        self.mapping.discard(self.index);
+        self.shared.release(self.slot);
     }
 }
 
@@ -339,9 +501,9 @@ impl Batch {
         let mapping = &self.lease.mapping;
         let len = (layout.sample_bytes() * self.rows) as usize;
         let data_offset = layout.ragged.map_or(layout.offset, |r| r.data_offset);
-        let bytes = mapping.slot_bytes(self.lease.slot, data_offset, len);
+        let bytes = mapping.slot_bytes(self.lease.index, data_offset, len);
         let shapes = if layout.ragged.is_some() {
-            mapping.slot_bytes(self.lease.slot, layout.offset, layout.shape_table_bytes(self.rows) as usize)
+            mapping.slot_bytes(self.lease.index, layout.offset, layout.shape_table_bytes(self.rows) as usize)
         } else {
             &[]
         };

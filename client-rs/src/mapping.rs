@@ -13,14 +13,21 @@
 use std::fs::File;
 use std::os::fd::OwnedFd;
 
+use std::mem::ManuallyDrop;
+
 use memmap2::{Advice, MmapMut, MmapOptions, UncheckedAdvice};
+use stoker_proto::ctrl::{CTRL_BYTES, Control};
 use stoker_proto::{BatchLayout, DType, RING_LAYOUT_VERSION, RING_MAGIC};
 
 use crate::{ClientError, Result};
 
 #[derive(Debug)]
 pub(crate) struct Mapping {
-    map: MmapMut,
+    /// Unmapped on drop only in the process that mapped it: in a forked
+    /// child the range is not mapped (`MADV_DONTFORK`), and may hold the
+    /// child's own mappings by now.
+    map: ManuallyDrop<MmapMut>,
+    owner: u32,
     /// `map`'s start, taken once so slices and array pointers never go
     /// through a shared borrow of the (mutable) mapping.
     base: *mut u8,
@@ -53,7 +60,7 @@ impl Mapping {
                  {RING_MAGIC:#x} version {RING_LAYOUT_VERSION} (client and daemon versions differ)"
             )));
         }
-        Ok(Mapping { map, base, layout: layout.clone() })
+        Ok(Mapping { map: ManuallyDrop::new(map), owner: std::process::id(), base, layout: layout.clone() })
     }
 
     pub(crate) fn layout(&self) -> &BatchLayout {
@@ -83,6 +90,9 @@ impl Mapping {
     /// next batch in it is read from the daemon's pages. Call it only when no
     /// view of the slot is left.
     pub(crate) fn discard(&self, slot: u32) {
+        if std::process::id() != self.owner {
+            return;
+        }
         let start = self.layout.slot_offset(slot) as usize;
         let len = (self.layout.slot_bytes as usize).min(self.map.len().saturating_sub(start));
         // SAFETY: MADV_DONTNEED on a private file mapping drops private pages
@@ -91,6 +101,65 @@ impl Mapping {
         // (the lease that owned it is being dropped), so nobody observes the
         // contents change.
         let _ = unsafe { self.map.unchecked_advise_range(UncheckedAdvice::DontNeed, start, len) };
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        if std::process::id() == self.owner {
+            // SAFETY: dropped once, here; no slice of it outlives the
+            // mapping (leases and batches hold an `Arc` of it).
+            unsafe { ManuallyDrop::drop(&mut self.map) };
+        }
+    }
+}
+
+/// The client's shared, writable mapping of a stream's control page.
+#[derive(Debug)]
+pub(crate) struct ControlMap {
+    map: ManuallyDrop<MmapMut>,
+    owner: u32,
+}
+
+impl ControlMap {
+    pub(crate) fn new(fd: OwnedFd) -> Result<ControlMap> {
+        let file = File::from(fd);
+        let have = file.metadata()?.len();
+        if have < CTRL_BYTES {
+            return Err(ClientError::Protocol(format!(
+                "the stream's control page is {have} bytes, this client expects {CTRL_BYTES} (client and daemon \
+                 versions differ)"
+            )));
+        }
+        // SAFETY: the daemon sealed the memfd's size (F_SEAL_SHRINK|GROW), so
+        // the mapping never outlives the file. The page is shared with the
+        // daemon and accessed only through the atomics of `Control`.
+        let map = unsafe { MmapMut::map_mut(&file)? };
+        let _ = map.advise(Advice::DontFork);
+        let page = ControlMap { map: ManuallyDrop::new(map), owner: std::process::id() };
+        if !page.control().is_valid() {
+            return Err(ClientError::Protocol(
+                "the stream's control page has another magic or version (client and daemon versions differ)".into(),
+            ));
+        }
+        Ok(page)
+    }
+
+    pub(crate) fn control(&self) -> &Control {
+        assert!(self.map.len() >= std::mem::size_of::<Control>(), "checked in ControlMap::new");
+        // SAFETY: page-aligned, large enough (checked above and in `new`),
+        // alive as long as `self`; `Control` is atomics only, valid for any
+        // bits the daemon writes.
+        unsafe { &*self.map.as_ptr().cast::<Control>() }
+    }
+}
+
+impl Drop for ControlMap {
+    fn drop(&mut self) {
+        if std::process::id() == self.owner {
+            // SAFETY: dropped once, here, in the process that mapped it.
+            unsafe { ManuallyDrop::drop(&mut self.map) };
+        }
     }
 }
 

@@ -252,8 +252,7 @@ impl Daemon {
             .into_iter()
             .filter_map(|(mut d, source)| {
                 let readers = open.iter().filter(|s| std::ptr::addr_eq(Arc::as_ptr(s.source()), Arc::as_ptr(&source)));
-                let (n, ring_bytes) =
-                    readers.fold((0u64, 0u64), |(n, b), s| (n + 1, b.saturating_add(s.shm_bytes())));
+                let (n, ring_bytes) = readers.fold((0u64, 0u64), |(n, b), s| (n + 1, b.saturating_add(s.shm_bytes())));
                 (d.streams, d.ring_bytes) = (n, ring_bytes);
                 (all || n > 0).then_some(d)
             })
@@ -877,14 +876,15 @@ impl Connection {
             )
         })?;
         let id = self.daemon.id();
-        let shm_err = |e: std::io::Error| (ErrorKind::Internal, format!("cannot create shared memory of {want} bytes: {e}"));
+        let shm_err =
+            |e: std::io::Error| (ErrorKind::Internal, format!("cannot create shared memory of {want} bytes: {e}"));
         let ring = Ring::create(&format!("stoker-stream-{id}"), &layout, depth).map_err(shm_err)?;
         let control = ControlPage::create(&format!("stoker-stream-{id}-control")).map_err(shm_err)?;
         let shm = Shm {
             ring,
             control,
             budgets: [self.budget.clone(), self.daemon.memory.clone()],
-            reserved: vec![mine, ours],
+            reserved: Mutex::new(vec![mine, ours]),
             limits: limits.layout(),
         };
         let counters = self.daemon.metrics.dataset(&label);

@@ -153,8 +153,8 @@ pub struct Shm {
     pub control: Arc<ControlPage>,
     /// The client's budget, then the daemon's: extra segments reserve from both.
     pub budgets: [Arc<Budget>; 2],
-    /// The ring's reservations.
-    pub reserved: Vec<Reservation>,
+    /// The ring's reservations, given back when the stream closes.
+    pub reserved: Mutex<Vec<Reservation>>,
     /// Limits for the layouts of oversized batches.
     pub limits: LayoutLimits,
 }
@@ -183,9 +183,9 @@ struct State {
     slots: Vec<Slot>,
     closed: bool,
     publisher: Publisher,
-    /// Batch records published, as `(seq, slot)`, that the client may not
-    /// have taken yet (pruned by its `consumed` count).
-    published: VecDeque<(u32, u32)>,
+    /// Batch records published, as `(seq, slot, bytes)`, that the client may
+    /// not have taken yet (pruned by its `consumed` count).
+    published: VecDeque<(u32, u32, u64)>,
     /// Messages of published `Failed` records, by sequence number.
     failures: VecDeque<(u32, u64, u64, String)>,
     /// Sequence number of a published `Exhausted` record not yet answered.
@@ -219,8 +219,16 @@ struct Segment {
 #[derive(Debug, Clone, PartialEq)]
 enum SlotState {
     Free,
-    Filling { generation: u64 },
-    Ready { generation: u64, epoch: u64, step: u64, rows: u64, error: Option<String> },
+    Filling {
+        generation: u64,
+    },
+    Ready {
+        generation: u64,
+        epoch: u64,
+        step: u64,
+        rows: u64,
+        error: Option<String>,
+    },
     Leased,
     /// An extra slot id whose segment was destroyed (the id may be reused).
     Absent,
@@ -342,9 +350,20 @@ impl Stream {
         self.shm.ring.layout()
     }
 
-    /// Sample bytes delivered so far (for metrics).
+    /// Sample bytes the client has taken so far (for metrics).
     pub fn bytes_delivered(&self) -> u64 {
-        self.lock().bytes_delivered
+        let st = self.lock();
+        st.bytes_delivered.saturating_sub(self.untaken_batches(&st).1)
+    }
+
+    /// Batch records published and not yet taken: how many, and their bytes.
+    fn untaken_batches(&self, st: &State) -> (u64, u64) {
+        let untaken = st.publisher.untaken(self.shm.control.control());
+        let first = st.publisher.published().wrapping_sub(untaken);
+        st.published
+            .iter()
+            .filter(|(seq, _, _)| seq.wrapping_sub(first) < untaken)
+            .fold((0, 0), |(n, b), (_, _, bytes)| (n + 1, b + bytes))
     }
 
     /// The sampler (batch counts).
@@ -413,7 +432,12 @@ impl Stream {
             if !self.release_slot(st, id) {
                 st.bad_releases += 1;
                 if st.bad_releases.is_power_of_two() {
-                    tracing::warn!(stream = self.meta.id, slot = id, count = st.bad_releases, "release of a slot the client does not hold");
+                    tracing::warn!(
+                        stream = self.meta.id,
+                        slot = id,
+                        count = st.bad_releases,
+                        "release of a slot the client does not hold"
+                    );
                 }
             }
         }
@@ -467,8 +491,8 @@ impl Stream {
         let reclaim: Vec<u32> = st
             .published
             .iter()
-            .filter(|(seq, _)| seq.wrapping_sub(first_untaken) < untaken)
-            .map(|&(_, slot)| slot)
+            .filter(|(seq, _, _)| seq.wrapping_sub(first_untaken) < untaken)
+            .map(|&(_, slot, _)| slot)
             .collect();
         for slot in reclaim {
             self.release_slot(&mut st, slot);
@@ -502,7 +526,13 @@ impl Stream {
         }
         st.closed = true;
         st.generation += 1;
+        // The budgets count what open streams hold: a closed stream's memory
+        // is the client's once its last view is gone.
+        for slot in &mut st.slots {
+            slot.segment = None;
+        }
         drop(st);
+        self.shm.reserved.lock().unwrap_or_else(|e| e.into_inner()).clear();
         self.meta.counters.observe_skips(&self.source);
     }
 
@@ -596,7 +626,8 @@ impl Stream {
             let slot = match free {
                 Some(slot) => slot,
                 None => {
-                    let busy = st.slots.iter().any(|s| matches!(s.state, SlotState::Filling { .. } | SlotState::Ready { .. }));
+                    let busy =
+                        st.slots.iter().any(|s| matches!(s.state, SlotState::Filling { .. } | SlotState::Ready { .. }));
                     let untaken = st.publisher.untaken(self.shm.control.control());
                     if busy || untaken > 0 || st.exhausted.is_some() {
                         // The client has batches to take or fills are running: wait for it.
@@ -607,7 +638,14 @@ impl Stream {
                         Ok(slot) => slot,
                         Err(why) => {
                             tracing::debug!(stream = self.meta.id, %why, "cannot grow the ring");
-                            let record = Record { kind: RecordKind::Exhausted, slot: 0, segment: 0, epoch: st.epoch, step: st.next_deliver, rows: 0 };
+                            let record = Record {
+                                kind: RecordKind::Exhausted,
+                                slot: 0,
+                                segment: 0,
+                                epoch: st.epoch,
+                                step: st.next_deliver,
+                                rows: 0,
+                            };
                             if st.publisher.has_room(self.shm.control.control()) {
                                 st.exhausted = Some(self.publish_record(st, record));
                             }
@@ -827,16 +865,16 @@ impl Stream {
             }
             let segment = st.slots[id].segment.as_ref().map_or(0, |s| s.generation);
             let record = Record { kind: RecordKind::Batch, slot: id as u32, segment, epoch, step, rows };
+            let (ring, index) = self.ring_of(st, id);
+            let bytes = ring.batch_bytes(index, rows);
             let seq = self.publish_record(st, record);
-            st.published.push_back((seq, id as u32));
+            st.published.push_back((seq, id as u32, bytes));
             let untaken = st.publisher.untaken(control);
             while st.published.len() > untaken as usize {
                 st.published.pop_front();
             }
             let now = Instant::now();
             st.delivered += 1;
-            let (ring, index) = self.ring_of(st, id);
-            let bytes = ring.batch_bytes(index, rows);
             st.bytes_delivered = st.bytes_delivered.saturating_add(bytes);
             st.recent.push_back((now, bytes));
             while st.recent.front().is_some_and(|(t, _)| now.duration_since(*t) > RATE_WINDOW) {
@@ -851,7 +889,8 @@ impl Stream {
         let (seq, wake) = st.publisher.publish(control, record);
         if wake {
             // Not FUTEX_PRIVATE: the client sleeps in another process, on its own mapping of the page.
-            let _ = rustix::thread::futex::wake(&control.daemon.published, rustix::thread::futex::Flags::empty(), u32::MAX);
+            let _ =
+                rustix::thread::futex::wake(&control.daemon.published, rustix::thread::futex::Flags::empty(), u32::MAX);
         }
         seq
     }
@@ -884,7 +923,7 @@ impl Stream {
             epoch: st.epoch,
             step: st.next_deliver,
             batches_per_epoch: self.sampler.batches_per_epoch(),
-            batches: st.delivered,
+            batches: st.delivered.saturating_sub(self.untaken_batches(&st).0),
             batches_per_s,
             mb_per_s,
             wait_s,
@@ -947,7 +986,7 @@ mod tests {
         let layout = BatchLayout::new(batch, fields, &LayoutLimits::DEFAULT).unwrap();
         let ring = Ring::create(dataset, &layout, depth).unwrap();
         let budgets = [Budget::new(budget), Budget::new(u64::MAX)];
-        let reserved = vec![budgets[0].reserve(ring.bytes()).unwrap()];
+        let reserved = Mutex::new(vec![budgets[0].reserve(ring.bytes()).unwrap()]);
         let shm = Shm {
             ring,
             control: ControlPage::create(dataset).unwrap(),
@@ -1020,9 +1059,16 @@ mod tests {
                     panic!(
                         "no record within 10 s: epoch {} step {} produce {}:{} published {} exhausted {:?} slots {states:?} \
                          waiting {} released {} reclaimed {} consumed {}",
-                        st.epoch, st.next_deliver, st.produce_epoch, st.next_produce, st.publisher.published(), st.exhausted,
-                        c.daemon.daemon_waiting.load(Ordering::Relaxed), c.client.released.load(Ordering::Relaxed),
-                        c.daemon.reclaimed.load(Ordering::Relaxed), c.client.consumed.load(Ordering::Relaxed),
+                        st.epoch,
+                        st.next_deliver,
+                        st.produce_epoch,
+                        st.next_produce,
+                        st.publisher.published(),
+                        st.exhausted,
+                        c.daemon.daemon_waiting.load(Ordering::Relaxed),
+                        c.client.released.load(Ordering::Relaxed),
+                        c.daemon.reclaimed.load(Ordering::Relaxed),
+                        c.client.consumed.load(Ordering::Relaxed),
                     )
                 }
             }
@@ -1370,7 +1416,10 @@ mod tests {
                 stream.ring_of(&st, rec.slot as usize)
             };
             // Shapes and bytes as written, including the big one.
-            assert_eq!(ring.batch_bytes(index, rec.rows), (0..4).map(|r| if 4 * step + r == 5 { 3200 } else { 4 * step + r + 1 }).sum::<u64>());
+            assert_eq!(
+                ring.batch_bytes(index, rec.rows),
+                (0..4).map(|r| if 4 * step + r == 5 { 3200 } else { 4 * step + r + 1 }).sum::<u64>()
+            );
             if step == 1 {
                 assert!(rec.slot >= 2 && rec.segment != 0, "batch 1 (sample 5) is in an extra segment: {rec:?}");
                 assert!(ring.layout().slot_bytes > stream.layout().slot_bytes);

@@ -359,8 +359,7 @@ impl Consumer {
     pub fn take_wake(&self, c: &Control) -> bool {
         // Dekker with the daemon's fence in `Publisher::want_wake`.
         fence(Ordering::SeqCst);
-        c.daemon.daemon_waiting.load(Ordering::Relaxed) != 0
-            && c.daemon.daemon_waiting.swap(0, Ordering::Relaxed) != 0
+        c.daemon.daemon_waiting.load(Ordering::Relaxed) != 0 && c.daemon.daemon_waiting.swap(0, Ordering::Relaxed) != 0
     }
 
     /// Announces that the client is about to sleep; returns the `published`
