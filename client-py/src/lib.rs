@@ -1,7 +1,8 @@
 //! `stoker._native`: the Python binding of `stoker-client`.
 //!
-//! A batch arrives as a dict of numpy arrays that point straight into the
-//! stream's read-only shared-memory mapping. Every array's base object is the
+//! A batch arrives as a dict of writable numpy arrays that point straight
+//! into the stream's copy-on-write shared-memory mapping (a write makes this
+//! process's own copy of the page; the daemon and other clients never see it). Every array's base object is the
 //! batch's `Lease`; when the last array (and the lease) is garbage-collected,
 //! the slot goes back to the daemon. Waiting for a batch releases the GIL and
 //! wakes every 50 ms to let Ctrl-C through. This module is the one place that
@@ -181,7 +182,7 @@ impl NativeStream {
         Ok(d)
     }
 
-    /// `(address, length)` of the read-only shared-memory mapping.
+    /// `(address, length)` of the copy-on-write shared-memory mapping.
     fn mapping_range(&self) -> (usize, usize) {
         self.stream.mapping_range()
     }
@@ -198,7 +199,7 @@ impl NativeStream {
         self.stream.position()
     }
 
-    /// The next batch as a dict of read-only arrays, or `None` at the end of the epoch.
+    /// The next batch as a dict of writable (copy-on-write) arrays, or `None` at the end of the epoch.
     #[pyo3(signature = (timeout=None))]
     fn next<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let Some(batch) = wait(py, timeout, |interrupted| self.stream.next_interruptible(interrupted))? else {
@@ -223,12 +224,12 @@ impl NativeStream {
             if ragged {
                 let list = PyList::empty(py);
                 for (shape, ptr) in parts {
-                    list.append(readonly_array(py, &lease, dtype, &shape, ptr)?)?;
+                    list.append(slot_array(py, &lease, dtype, &shape, ptr)?)?;
                 }
                 out.set_item(name.bind(py), list)?;
             } else {
                 let (shape, ptr) = &parts[0];
-                out.set_item(name.bind(py), readonly_array(py, &lease, dtype, shape, *ptr)?)?;
+                out.set_item(name.bind(py), slot_array(py, &lease, dtype, shape, *ptr)?)?;
             }
         }
         Ok(Some(out))
@@ -280,8 +281,8 @@ fn wait<T: Send>(
     }
 }
 
-/// A read-only C-contiguous array over `ptr` whose base object is `lease`.
-fn readonly_array<'py>(
+/// A writable C-contiguous array over `ptr` whose base object is `lease`.
+fn slot_array<'py>(
     py: Python<'py>,
     lease: &Bound<'py, Lease>,
     dtype: DType,
@@ -293,8 +294,10 @@ fn readonly_array<'py>(
     // stream's mapping (FieldView::bytes), 64-byte aligned by the layout. The
     // mapping lives as long as the lease (the Batch holds an Arc of it), and the
     // lease becomes the array's base below, so the memory outlives the array.
-    // Flags omit NPY_ARRAY_WRITEABLE: the mapping is read-only (PROT_READ) and
-    // numpy must refuse writes instead of faulting. `PyArray_DescrFromType`
+    // The mapping is private and writable (copy-on-write), so the array is
+    // NPY_ARRAY_WRITEABLE: a write copies the page for this process only, and
+    // the lease drops those copies before the slot goes back to the daemon.
+    // `PyArray_DescrFromType`
     // returns a new reference that `PyArray_NewFromDescr` steals;
     // `PyArray_SetBaseObject` steals the lease reference we pass it.
     unsafe {
@@ -307,7 +310,7 @@ fn readonly_array<'py>(
             dims.as_mut_ptr(),
             std::ptr::null_mut(),
             ptr.cast_mut().cast(),
-            npyffi::NPY_ARRAY_C_CONTIGUOUS | npyffi::NPY_ARRAY_ALIGNED,
+            npyffi::NPY_ARRAY_C_CONTIGUOUS | npyffi::NPY_ARRAY_ALIGNED | npyffi::NPY_ARRAY_WRITEABLE,
             std::ptr::null_mut(),
         );
         let array = Bound::from_owned_ptr_or_err(py, array)?;

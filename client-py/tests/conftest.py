@@ -505,8 +505,8 @@ for epoch in args["epochs"]:
                     f"epoch {epoch} batch {len(batches)} field {name}: served "
                     f"{arr.dtype.str}{arr.shape} differs from h5py {exp.dtype.str}{exp.shape}"
                 )
-            if arr.flags.writeable:
-                out["errors"].append(f"field {name} is writeable")
+            if not arr.flags.writeable:
+                out["errors"].append(f"field {name} is not writeable")
         batches.append(idx.tolist())
         del batch, arr
     out["epochs"][str(epoch)] = batches

@@ -666,9 +666,7 @@ def test_ragged_images_are_zero_copy_lists(stoker: Any, start_daemon: Callable[.
             assert isinstance(arrs, list) and len(arrs) == len(idx), (name, type(arrs))
             for arr, i in zip(arrs, idx):
                 assert_exact(f"{name}[{i}]", arr, pil_decode(vals[i]))
-                assert not arr.flags.writeable, f"{name}[{i}] is writeable"
-                with pytest.raises(ValueError):
-                    arr[0, 0, 0] = 1
+                assert arr.flags.writeable, f"{name}[{i}] is not writeable"
                 mapping_check(loader, arr, f"{name}[{i}]")
         del batch, arrs, arr
     assert sorted(seen) == list(range(n))

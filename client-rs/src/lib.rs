@@ -2,7 +2,7 @@
 //!
 //! [`Client::connect`] opens a connection and checks the protocol version;
 //! [`Client::open_stream`] asks the daemon for a stream of batches and maps
-//! the stream's shared-memory ring read-only; [`Stream::next`] waits for the
+//! the stream's shared-memory ring copy-on-write; [`Stream::next`] waits for the
 //! next batch and returns a [`Batch`]: typed views straight into the shared
 //! slot. Dropping the last clone of a batch gives its slot back to the daemon.
 //!
@@ -202,7 +202,7 @@ impl Stream {
         &self.info
     }
 
-    /// Address range `(start, len)` of this stream's read-only mapping.
+    /// Address range `(start, len)` of this stream's (copy-on-write) mapping.
     pub fn mapping_range(&self) -> (usize, usize) {
         self.mapping.range()
     }
@@ -281,6 +281,9 @@ struct Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
+        // Writes to the batch were private copy-on-write pages: drop them so
+        // the next batch in this slot is read from the daemon's pages.
+        self.mapping.discard(self.slot);
         // A failed release means the connection is gone, and with it every lease.
         let _ = self.conn.send_oneway(&Request::Release { stream: self.stream, slot: self.slot });
     }

@@ -1,17 +1,29 @@
-//! The client's read-only mapping of a stream's ring. This module is the only
-//! place in the client that turns shared-memory addresses into slices.
+//! The client's copy-on-write mapping of a stream's ring. This module is the
+//! only place in the client that turns shared-memory addresses into slices.
+//!
+//! The ring is mapped `MAP_PRIVATE` (the daemon's `F_SEAL_FUTURE_WRITE` allows
+//! no shared writable mapping): reads see the daemon's pages with no copy, a
+//! write gives this process its own copy of the page touched, and nobody else
+//! (the daemon, other clients, later batches) sees it. Before a slot goes back
+//! to the daemon its private pages are dropped (`MADV_DONTNEED`), so the next
+//! batch in that slot is read from the shared pages again. The mapping is
+//! `MADV_DONTFORK`: a forked child (a DataLoader worker, say) does not inherit
+//! it, and a fork never turns the parent's pages copy-on-write.
 
 use std::fs::File;
 use std::os::fd::OwnedFd;
 
-use memmap2::Mmap;
+use memmap2::{Advice, MmapMut, MmapOptions, UncheckedAdvice};
 use stoker_proto::{BatchLayout, DType, RING_LAYOUT_VERSION, RING_MAGIC};
 
 use crate::{ClientError, Result};
 
 #[derive(Debug)]
 pub(crate) struct Mapping {
-    map: Mmap,
+    map: MmapMut,
+    /// `map`'s start, taken once so slices and array pointers never go
+    /// through a shared borrow of the (mutable) mapping.
+    base: *mut u8,
     layout: BatchLayout,
 }
 
@@ -25,9 +37,13 @@ impl Mapping {
         }
         // SAFETY: the daemon sealed the memfd against shrinking (F_SEAL_SHRINK),
         // so the mapping can never extend past the end of the file (no SIGBUS).
-        // The daemon writes only to slots this client does not hold, and all
+        // It is private: this process's writes never reach the file. The
+        // daemon writes only to slots this client does not hold, and all
         // slices handed out cover held slots, so no reader observes a write.
-        let map = unsafe { Mmap::map(&file)? };
+        let mut map = unsafe { MmapOptions::new().map_copy(&file)? };
+        // Best effort: without it a fork shares nothing wrong, it only copies more.
+        let _ = map.advise(Advice::DontFork);
+        let base = map.as_mut_ptr();
         let header = &map[..16];
         let magic = u64::from_le_bytes(header[..8].try_into().expect("8 bytes"));
         let version = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
@@ -37,7 +53,7 @@ impl Mapping {
                  {RING_MAGIC:#x} version {RING_LAYOUT_VERSION} (client and daemon versions differ)"
             )));
         }
-        Ok(Mapping { map, layout: layout.clone() })
+        Ok(Mapping { map, base, layout: layout.clone() })
     }
 
     pub(crate) fn layout(&self) -> &BatchLayout {
@@ -54,9 +70,35 @@ impl Mapping {
     /// [`Mapping::new`] rules out for every field of every slot.
     pub(crate) fn slot_bytes(&self, slot: u32, offset: u64, len: usize) -> &[u8] {
         let start = (self.layout.slot_offset(slot) + offset) as usize;
-        &self.map[start..start + len]
+        assert!(start.checked_add(len).is_some_and(|end| end <= self.map.len()), "slot range inside the mapping");
+        // SAFETY: in bounds (checked above). The slot is held by the caller's
+        // lease, so the daemon does not write it; this process may write it
+        // through arrays handed to Python (private copy-on-write pages), which
+        // is why the slice is made from `base` and lives no longer than the
+        // caller's borrow of the batch.
+        unsafe { std::slice::from_raw_parts(self.base.add(start), len) }
+    }
+
+    /// Drops this process's private copies of `slot`'s pages, so that the
+    /// next batch in it is read from the daemon's pages. Call it only when no
+    /// view of the slot is left.
+    pub(crate) fn discard(&self, slot: u32) {
+        let start = self.layout.slot_offset(slot) as usize;
+        let len = (self.layout.slot_bytes as usize).min(self.map.len().saturating_sub(start));
+        // SAFETY: MADV_DONTNEED on a private file mapping drops private pages
+        // and re-reads the file's; it never touches memory outside the range,
+        // which lies inside the mapping. No reference into the slot is alive
+        // (the lease that owned it is being dropped), so nobody observes the
+        // contents change.
+        let _ = unsafe { self.map.unchecked_advise_range(UncheckedAdvice::DontNeed, start, len) };
     }
 }
+
+// SAFETY: `base` points into `map`, owned by the mapping; writes through it
+// happen only in slots leased to this process, by the code holding the lease.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; shared access reads the layout and hands out pointers.
+unsafe impl Sync for Mapping {}
 
 /// Element types a field can be viewed as.
 pub trait Element: Copy + sealed::Sealed {
