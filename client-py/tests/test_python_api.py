@@ -309,7 +309,7 @@ def test_spawn_child_iterates_a_pickled_loader(start_daemon, data, tmp_path) -> 
 
 
 FORK_SRC = r"""
-import json, os, sys
+import gc, json, os, sys
 import stoker
 a = json.loads(sys.argv[1])
 loader = stoker.Loader(stoker.hdf5(a["glob"], fields=a["fields"]), batch_size=4,
@@ -324,6 +324,14 @@ if pid == 0:
         rest = [int(i) for b in it for i in b["label"]]
         again = [int(i) for b in loader for i in b["label"]]  # a new epoch pass in the child
         msg = {"rest": rest, "again": again, "len": len(loader)}
+        # A loader of the child's own, then the inherited one dropped: the
+        # parent's memory is not mapped here, and dropping what the child
+        # inherited must not unmap what the child mapped since.
+        own = stoker.Loader(stoker.hdf5(a["glob"], fields=a["fields"]), batch_size=3,
+                            shuffle=False, rank=0, world_size=1, socket=a["socket"])
+        del it, loader
+        gc.collect()
+        msg["own"] = [int(i) for b in own for i in b["label"]]
     except BaseException as e:
         msg = {"error": f"{type(e).__qualname__}: {e}"}
     os.write(w, json.dumps(msg).encode())
@@ -349,6 +357,7 @@ def test_forked_child_reopens_its_own_stream(start_daemon, data) -> None:
     assert out["child"]["rest"] == list(range(4, data.n))
     assert out["child"]["again"] == list(range(data.n))
     assert out["child"]["len"] == -(-data.n // 4)
+    assert out["child"]["own"] == list(range(data.n))
     # The parent's loader is unaffected.
     assert out["parent"] == list(range(4, data.n))
     assert d.alive()

@@ -22,6 +22,7 @@ import os
 import sys
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -289,6 +290,23 @@ def _log_rank_choice(rank: int, world: int, source: str) -> None:
 
 _OUTPUTS = ("numpy", "torch")
 
+#: Every Loader with an open stream in this process (for the fork handler).
+_open_loaders: "weakref.WeakSet[Loader]" = weakref.WeakSet()
+#: Streams a forked child inherited from its parent, kept alive for good: the
+#: parent's shared memory is not mapped in the child (MADV_DONTFORK), so the
+#: child may map its own streams at those addresses, and dropping an inherited
+#: stream would unmap them.
+_inherited_streams: List[Any] = []
+
+
+def _after_fork_in_child() -> None:
+    for loader in list(_open_loaders):
+        if loader._stream is not None:
+            _inherited_streams.append(loader._stream)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 class _EpochSampler:
     """What ``loader.sampler`` returns: the ``DistributedSampler``-like face of a
@@ -438,6 +456,7 @@ class Loader:
             stream = self._open(self._epoch, self._step)
             self._stream, self._pid = stream, os.getpid()
             self._info = stream.info()
+            _open_loaders.add(self)
         return stream
 
     def _reconnect(self, error: DaemonUnavailable) -> None:
