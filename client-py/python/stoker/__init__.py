@@ -1,17 +1,18 @@
 """Training-loop client of the stoker data-serving daemon.
 
 A :class:`Loader` streams batches from a stoker daemon running on this node.
-Each batch is a ``dict`` mapping field names to read-only numpy arrays that
-live in shared memory: no copy, no unpickling. The slot holding a batch goes
-back to the daemon when the last of its arrays is garbage-collected, so keep
-copies (``arr.copy()``) of anything you want to hold on to for long.
+Each batch is a ``dict`` mapping field names to numpy arrays (or, with
+``output="torch"``, CPU tensors) that live in shared memory: no copy, no
+unpickling. Writes to a batch are copy-on-write and stay in this process. The
+slot holding a batch goes back to the daemon when the last of its arrays is
+garbage-collected, so copy what you want to hold on to for long.
 
 >>> import stoker
->>> loader = stoker.Loader(stoker.hdf5("/data/*.h5", fields={"x": "images"}), batch_size=64)
+>>> loader = stoker.Loader(stoker.hdf5("/data/*.h5", fields={"x": "images"}), batch_size=64, output="torch")
 >>> for epoch in range(2):
 ...     loader.set_epoch(epoch)
 ...     for batch in loader:
-...         x = torch.from_numpy(batch["x"])
+...         x = batch["x"].to("cuda", non_blocking=True)
 """
 
 from __future__ import annotations
