@@ -11,20 +11,23 @@
 use std::ffi::c_int;
 
 use numpy::npyffi::{self, NPY_TYPES, PY_ARRAY_API, npy_intp};
-use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::import_exception;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use stoker_client::proto::{DType, DatasetRef, ErrorKind, OpenStream};
 use stoker_client::{Batch, Client, ClientError, Stream};
 
-create_exception!(_native, StokerError, PyException, "Base class of every stoker error.");
-create_exception!(_native, DaemonUnavailable, StokerError, "No stoker daemon answers at the socket.");
-create_exception!(_native, DatasetError, StokerError, "The dataset cannot be opened or a sample cannot be read.");
-create_exception!(_native, ProtocolError, StokerError, "Client and daemon disagree (versions, messages, state).");
-create_exception!(_native, LimitError, StokerError, "A configured limit of the daemon would be exceeded.");
-create_exception!(_native, AccessDenied, StokerError, "The daemon does not serve this user or path.");
-create_exception!(_native, Timeout, StokerError, "The daemon did not answer within the Loader's timeout.");
+// The classes live in Python (`stoker/_errors.py`): each subclasses both
+// `StokerError` and the builtin it behaves like (`Timeout` is a `TimeoutError`),
+// which pyo3's single-base `create_exception!` cannot express. pyo3 imports
+// each class once and caches its type object.
+import_exception!(stoker._errors, StokerError);
+import_exception!(stoker._errors, DaemonUnavailable);
+import_exception!(stoker._errors, DatasetError);
+import_exception!(stoker._errors, ProtocolError);
+import_exception!(stoker._errors, LimitError);
+import_exception!(stoker._errors, AccessDenied);
+import_exception!(stoker._errors, Timeout);
 
 /// The single mapping from client errors to Python exceptions.
 fn to_py(py: Python<'_>, err: ClientError) -> PyErr {

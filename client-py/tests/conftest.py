@@ -521,7 +521,7 @@ def _clean_env(extra: Mapping[str, str] | None) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "STOKER_SOCKET")
+        if k not in ("RANK", "WORLD_SIZE", "STOKER_SOCKET") and not k.startswith("SLURM_")
     }
     env.update(extra or {})
     return env

@@ -190,7 +190,7 @@ def test_two_daemons_two_nodes(start_daemon, data, run_ranks) -> None:
     "env",
     [
         {"RANK": "1", "WORLD_SIZE": "3"},
-        {"SLURM_PROCID": "1", "SLURM_NTASKS": "3"},
+        {"SLURM_PROCID": "1", "SLURM_NTASKS": "3", "SLURM_STEP_ID": "0"},  # a task of `srun -n 3`
     ],
     ids=["torchrun", "slurm"],
 )

@@ -1,43 +1,36 @@
 """Training-loop client of the stoker data-serving daemon.
 
 A :class:`Loader` streams batches from a stoker daemon running on this node.
-Each batch is a ``dict`` mapping field names to read-only numpy arrays that
-live in shared memory: no copy, no unpickling. The slot holding a batch goes
-back to the daemon when the last of its arrays is garbage-collected, so keep
-copies (``arr.copy()``) of anything you want to hold on to for long.
+Each batch is a ``dict`` mapping field names to numpy arrays (or, with
+``output="torch"``, CPU tensors) that live in shared memory: no copy, no
+unpickling. Writes to a batch are copy-on-write and stay in this process. The
+slot holding a batch goes back to the daemon when the last of its arrays is
+garbage-collected, so copy what you want to hold on to for long.
 
 >>> import stoker
->>> loader = stoker.Loader(stoker.hdf5("/data/*.h5", fields={"x": "images"}), batch_size=64)
+>>> loader = stoker.Loader(stoker.hdf5("/data/*.h5", fields={"x": "images"}), batch_size=64, output="torch")
 >>> for epoch in range(2):
 ...     loader.set_epoch(epoch)
 ...     for batch in loader:
-...         x = torch.from_numpy(batch["x"])
+...         x = batch["x"].to("cuda", non_blocking=True)
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import sys
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ._native import (
-    DEFAULT_SOCKET,
-    SOCKET_ENV,
-    AccessDenied,
-    DaemonUnavailable,
-    DatasetError,
-    LimitError,
-    NativeStream as _NativeStream,
-    ProtocolError,
-    StokerError,
-    Timeout,
-    __version__,
-)
+from ._errors import AccessDenied, DaemonUnavailable, DatasetError, LimitError, ProtocolError, StokerError, Timeout
+from ._native import DEFAULT_SOCKET, SOCKET_ENV, NativeStream as _NativeStream, __version__
 from ._cli import daemon_binary
 
 __all__ = [
@@ -234,53 +227,169 @@ def lmdb(
     return LmdbSpec(definition)
 
 
-def _env_int(*names: str) -> Optional[int]:
-    for name in names:
-        value = os.environ.get(name)
-        if value not in (None, ""):
-            return int(value)
-    return None
+def _env_int(name: str) -> Optional[int]:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"${name}={value!r} is not an integer") from None
 
 
-def _rank_world(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
-    if rank is None:
-        rank = _env_int("RANK") if os.environ.get("RANK") else _env_int("SLURM_PROCID")
-    if world_size is None:
-        world_size = _env_int("WORLD_SIZE") if os.environ.get("WORLD_SIZE") else _env_int("SLURM_NTASKS")
-    rank = 0 if rank is None else rank
-    world_size = 1 if world_size is None else world_size
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} must be in [0, world_size) and world_size {world_size} at least 1")
-    return rank, world_size
+def _rank_world(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int, str]:
+    """(rank, world_size, source) by the documented rules; see :class:`Loader`."""
+    if rank is not None or world_size is not None:
+        if rank is None or world_size is None:
+            raise ValueError(
+                f"pass both rank and world_size, or neither (got rank={rank!r}, world_size={world_size!r})"
+            )
+        found: Tuple[int, int, str] = (int(rank), int(world_size), "argument")
+    else:
+        found = _detect_rank_world()
+    r, w, source = found
+    if w < 1 or not 0 <= r < w:
+        raise ValueError(f"rank {r} must be in [0, world_size) and world_size {w} at least 1 (from {source})")
+    return found
+
+
+def _detect_rank_world() -> Tuple[int, int, str]:
+    # torch.distributed only if the program already imported it: importing
+    # torch costs seconds and would be a surprise of its own.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank()), int(dist.get_world_size()), "torch.distributed"
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    if (rank is None) != (world is None):
+        have, missing = ("RANK", "WORLD_SIZE") if rank is not None else ("WORLD_SIZE", "RANK")
+        raise ValueError(
+            f"${have} is set but ${missing} is not: set both (torchrun does), unset both, "
+            "or pass rank= and world_size= to the Loader"
+        )
+    if rank is not None and world is not None:
+        return rank, world, "env RANK/WORLD_SIZE"
+    # Slurm sets SLURM_NTASKS in the batch script too (`sbatch --ntasks=4`),
+    # where one process runs; only a task of a step launched by srun is one of
+    # several ranks.
+    if os.environ.get("SLURM_STEP_ID", "").strip():
+        tasks = _env_int("SLURM_STEP_NUM_TASKS") or _env_int("SLURM_NTASKS")
+        procid = _env_int("SLURM_PROCID")
+        if tasks is not None and tasks > 1 and procid is not None:
+            return procid, tasks, "slurm"
+    return 0, 1, "default"
+
+
+_logger = logging.getLogger("stoker")
+_logged_choices: set = set()
+
+
+def _log_rank_choice(rank: int, world: int, source: str) -> None:
+    if (rank, world, source) not in _logged_choices:
+        _logged_choices.add((rank, world, source))
+        _logger.info("stoker: rank %d of world_size %d (from %s)", rank, world, source)
+
+
+_OUTPUTS = ("numpy", "torch")
+
+#: Every Loader with an open stream in this process (for the fork handler).
+_open_loaders: "weakref.WeakSet[Loader]" = weakref.WeakSet()
+#: Streams a forked child inherited from its parent, kept alive for good: the
+#: parent's shared memory is not mapped in the child (MADV_DONTFORK), so the
+#: child may map its own streams at those addresses, and dropping an inherited
+#: stream would unmap them.
+_inherited_streams: List[Any] = []
+
+
+def _after_fork_in_child() -> None:
+    for loader in list(_open_loaders):
+        if loader._stream is not None:
+            _inherited_streams.append(loader._stream)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _EpochSampler:
+    """What ``loader.sampler`` returns: the ``DistributedSampler``-like face of a
+    :class:`Loader`, so frameworks that call ``dataloader.sampler.set_epoch(epoch)``
+    every epoch (PyTorch Lightning's fit loop does) select the epoch's order."""
+
+    __slots__ = ("_loader",)
+
+    def __init__(self, loader: "Loader") -> None:
+        self._loader = loader
+
+    def set_epoch(self, epoch: int) -> None:
+        self._loader.set_epoch(epoch)
+
+    @property
+    def epoch(self) -> int:
+        return self._loader.epoch
+
+    @property
+    def shuffle(self) -> bool:
+        return self._loader.shuffle
+
+    @property
+    def seed(self) -> int:
+        return self._loader.seed
+
+    @property
+    def drop_last(self) -> bool:
+        return self._loader.drop_last
+
+    @property
+    def rank(self) -> int:
+        return self._loader.rank
+
+    @property
+    def num_replicas(self) -> int:
+        return self._loader.world_size
+
+    def __repr__(self) -> str:
+        return f"<stoker sampler of {self._loader!r}>"
 
 
 class Loader:
     """Batches of a dataset served by the stoker daemon, sharded like ``DistributedSampler``.
 
     ``dataset`` is a dataset name from the daemon's config or a spec from
-    :func:`hdf5`. Every rank computes the same permutation from
+    :func:`hdf5` / :func:`lmdb`. Every rank computes the same permutation from
     ``(seed, epoch)``; rank ``r`` takes positions ``r, r + world_size, ...``,
     padded by wrap-around (or truncated with ``drop_last``) so all ranks get
-    ``len(loader)`` batches. ``rank``/``world_size`` default to ``RANK``/
-    ``WORLD_SIZE``, else ``SLURM_PROCID``/``SLURM_NTASKS``, else 0/1; ``socket``
-    to ``$STOKER_SOCKET``, else the daemon's default socket. ``timeout``
-    (seconds, like DataLoader's) bounds each wait for the daemon and raises
-    :class:`Timeout`; by default a wait lasts as long as it must (Ctrl-C
-    always interrupts it). If the daemon goes away mid-epoch (restarted by
-    systemd, say), iteration reconnects to whatever daemon answers at the
-    socket within ``reconnect`` seconds and resumes at the next batch of the
-    same epoch (the order is a function of seed and epoch, so nothing is
-    repeated or skipped); ``reconnect=0`` raises :class:`DaemonUnavailable` instead.
+    ``len(loader)`` batches.
+
+    ``rank``/``world_size``: both given, or neither, in which case they come
+    from the first of: ``torch.distributed`` if this program imported it and
+    initialised the process group; ``$RANK``/``$WORLD_SIZE`` (both, as torchrun
+    sets them); Slurm's ``$SLURM_PROCID``/``$SLURM_NTASKS`` only inside an
+    ``srun`` step of several tasks (``$SLURM_STEP_ID`` set); else 0 and 1.
+    :attr:`rank_source` says which, and it is logged once at INFO on the
+    ``"stoker"`` logger.
+
+    ``socket`` defaults to ``$STOKER_SOCKET``, else the daemon's default
+    socket. ``timeout`` (seconds, like DataLoader's) bounds each wait for the
+    daemon and raises :class:`Timeout`; by default a wait lasts as long as it
+    must (Ctrl-C always interrupts it). If the daemon goes away mid-epoch,
+    iteration reconnects to whatever daemon answers at the socket within
+    ``reconnect`` seconds and resumes at the next batch of the same epoch;
+    ``reconnect=0`` raises :class:`DaemonUnavailable` instead.
+
+    ``output="numpy"`` (the default) yields dicts of numpy arrays backed by
+    shared memory; ``output="torch"`` yields dicts of CPU tensors over the same
+    memory (``torch.from_numpy``, no copy). Variable-shape fields come as lists,
+    one array or tensor per sample.
 
     The constructor connects and opens the stream, so a missing daemon
     (:class:`DaemonUnavailable`) or a bad dataset (:class:`DatasetError`)
-    raises here. Iterating yields dicts of read-only numpy arrays backed by
-    shared memory.
+    raises here. A Loader pickles (its configuration and position, not its
+    connection) and reconnects lazily wherever it is used next: in the process
+    that unpickles it, or in a child after ``os.fork()``.
     """
 
     def __init__(
         self,
-        dataset: Union[str, Hdf5Spec],
+        dataset: Union[str, Hdf5Spec, LmdbSpec],
         batch_size: int,
         shuffle: bool = True,
         seed: int = 0,
@@ -290,6 +399,7 @@ class Loader:
         socket: Optional[Union[str, os.PathLike]] = None,
         timeout: Optional[float] = None,
         reconnect: float = 60.0,
+        output: str = "numpy",
     ) -> None:
         if isinstance(dataset, str):
             wire = ("name", dataset)
@@ -299,28 +409,56 @@ class Loader:
             raise TypeError(f"dataset must be a name, stoker.hdf5(...) or stoker.lmdb(...), not {type(dataset).__name__}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
-        self.rank, self.world_size = _rank_world(rank, world_size)
+        if output not in _OUTPUTS:
+            raise ValueError(f"output must be 'numpy' or 'torch', not {output!r}")
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds or None, not {timeout}")
+        self.rank, self.world_size, self.rank_source = _rank_world(rank, world_size)
+        _log_rank_choice(self.rank, self.world_size, self.rank_source)
         self.batch_size = int(batch_size)
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
         self.socket = os.fspath(socket) if socket is not None else os.environ.get(SOCKET_ENV, DEFAULT_SOCKET)
-        if timeout is not None and timeout <= 0:
-            raise ValueError(f"timeout must be positive seconds or None, not {timeout}")
         self.timeout = timeout
         self.reconnect = float(reconnect)
+        self.output = output
         self._wire = wire
         self._epoch = 0
         self._step = 0
         self._resume: Optional[int] = None
-        self._stream = self._open(0, 0)
-        self._info = self._stream.info()
+        self._reset_unconnected()
+        self._native()
+
+    def _reset_unconnected(self) -> None:
+        """The fields that do not survive pickling or fork."""
+        self._stream: Optional[_NativeStream] = None
+        self._info: Optional[Dict[str, Any]] = None
+        self._pid = -1
+        #: Epoch last iterated since the last set_epoch (for the repeated-epoch warning).
+        self._iterated: Optional[int] = None
+        self._warned_repeat = False
+        #: Bumped by every iter(): an older iterator refuses to go on.
+        self._generation = 0
+        self._convert = _torch_converter() if self.output == "torch" else None
 
     def _open(self, epoch: int, step: int) -> _NativeStream:
         return _NativeStream(
             self.socket, self._wire, self.batch_size, self.shuffle, self.seed, self.drop_last,
             self.rank, self.world_size, epoch, step, self.timeout,
         )
+
+    def _native(self) -> _NativeStream:
+        """The open stream, (re)opened here if this process has none: after
+        unpickling, and in a child after ``os.fork()`` (the parent's
+        connection belongs to the parent)."""
+        stream = self._stream
+        if stream is None or self._pid != os.getpid():
+            stream = self._open(self._epoch, self._step)
+            self._stream, self._pid = stream, os.getpid()
+            self._info = stream.info()
+            _open_loaders.add(self)
+        return stream
 
     def _reconnect(self, error: DaemonUnavailable) -> None:
         """The daemon went away: reopen the stream at the next undelivered batch
@@ -329,6 +467,7 @@ class Loader:
         while True:
             try:
                 self._stream = self._open(self._epoch, self._step)
+                self._pid = os.getpid()
                 break
             except DaemonUnavailable:
                 if time.monotonic() >= deadline:
@@ -341,14 +480,34 @@ class Loader:
             stacklevel=3,
         )
 
+    def _stream_info(self) -> Dict[str, Any]:
+        if self._info is None or self._pid != os.getpid():
+            self._native()
+        assert self._info is not None
+        return self._info
+
     def __len__(self) -> int:
         """Batches per epoch for this rank."""
-        return int(self._info["batches_per_epoch"])
+        return int(self._stream_info()["batches_per_epoch"])
 
     @property
     def fields(self) -> Dict[str, Tuple[np.dtype, Tuple[int, ...]]]:
         """Field name → (dtype, per-sample shape)."""
-        return {n: (np.dtype(d), tuple(s)) for n, d, s in self._info["fields"]}
+        return {n: (np.dtype(d), tuple(s)) for n, d, s in self._stream_info()["fields"]}
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration follows (see :meth:`set_epoch`)."""
+        return self._epoch
+
+    @property
+    def sampler(self) -> _EpochSampler:
+        """A ``DistributedSampler``-like handle whose ``set_epoch`` is this loader's.
+
+        PyTorch Lightning calls ``dataloader.sampler.set_epoch(epoch)`` at the
+        start of every training epoch; this makes that select the epoch here.
+        """
+        return _EpochSampler(self)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose permutation the next iteration follows (as ``DistributedSampler.set_epoch``).
@@ -358,16 +517,35 @@ class Loader:
         loop resumes mid-epoch.
         """
         epoch = int(epoch)
+        if epoch < 0:
+            raise ValueError(f"epoch must be at least 0, not {epoch}")
         if epoch != self._epoch:
             self._resume = None
         self._epoch = epoch
+        self._iterated = None
 
     def __iter__(self) -> Iterator[Batch]:
+        """One epoch. Like a ``DataLoader``'s, each ``iter()`` starts the epoch
+        over from its first batch, except the first one after
+        :meth:`load_state_dict`, which starts at the saved step."""
+        resuming = self._resume is not None
         start = self._resume if self._resume is not None else 0
+        if self.shuffle and not resuming and self._iterated == self._epoch and not self._warned_repeat:
+            self._warned_repeat = True
+            warnings.warn(
+                f"stoker: iterating epoch {self._epoch} again in the same order: call "
+                f"loader.set_epoch(epoch) before each epoch (as with DistributedSampler) "
+                f"to shuffle every epoch differently",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._iterated = self._epoch
         self._resume = None
         self._step = start
+        self._generation += 1
+        stream = self._native()
         try:
-            self._stream.set_epoch(self._epoch, start, self.timeout)
+            stream.set_epoch(self._epoch, start, self.timeout)
         except DaemonUnavailable as e:
             if self.reconnect <= 0:
                 raise
@@ -375,7 +553,13 @@ class Loader:
         return _EpochIterator(self)
 
     def state_dict(self) -> Dict[str, Any]:
-        """Where this loader stands: load it into a new Loader to resume at the next batch."""
+        """Where this loader stands: load it into a new Loader to resume at the next batch.
+
+        Keys: ``epoch`` and ``step`` (the next batch), the sampling
+        configuration, and torchdata ``StatefulDataLoader``'s ``_num_yielded``
+        (batches of this epoch already delivered, equal to ``step``) and
+        ``_iterator_finished``.
+        """
         return {
             "seed": self.seed,
             "epoch": self._epoch,
@@ -385,25 +569,36 @@ class Loader:
             "drop_last": self.drop_last,
             "rank": self.rank,
             "world_size": self.world_size,
+            "_num_yielded": self._step,
+            "_iterator_finished": self._step >= len(self),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from :meth:`state_dict`: the next iteration starts at its epoch and step."""
+        """Resume from :meth:`state_dict`: the next iteration starts at its epoch and step.
+
+        Accepts ``_num_yielded`` in place of ``step``.
+        """
         for key in ("seed", "batch_size", "shuffle", "drop_last", "world_size"):
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(
                     f"state has {key}={state[key]!r} but this loader has {getattr(self, key)!r}; "
                     "resuming with a different sampling would repeat or skip samples"
                 )
-        step = int(state["step"])
+        if "step" in state:
+            step = int(state["step"])
+        elif "_num_yielded" in state:
+            step = int(state["_num_yielded"])
+        else:
+            raise ValueError("state has neither 'step' nor '_num_yielded': not a stoker.Loader state_dict")
         if not 0 <= step <= len(self):
             raise ValueError(f"state step {step} is outside this loader's epoch of {len(self)} batches")
-        self._epoch = int(state["epoch"])
+        self._epoch = int(state.get("epoch", self._epoch))
         self._resume = step
+        self._step = step
 
     def close(self) -> None:
         """Close the stream; its shared memory is freed once no batch of it is referenced."""
-        if self._stream is not None:
+        if self._stream is not None and self._pid == os.getpid():
             try:
                 self._stream.close()
             except StokerError:
@@ -415,32 +610,73 @@ class Loader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def __getstate__(self) -> Dict[str, Any]:
+        # Configuration and position; the connection, mapping and batches stay behind.
+        state = {
+            k: v
+            for k, v in self.__dict__.items()
+            if k not in ("_stream", "_info", "_pid", "_iterated", "_warned_repeat", "_generation", "_convert")
+        }
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_unconnected()
+
     def _mapping_range(self) -> Tuple[int, int]:
         """(address, length) of the stream's shared-memory mapping; for tests."""
-        return self._stream.mapping_range()
+        return self._native().mapping_range()
 
     def __repr__(self) -> str:
+        batches = len(self) if self._info is not None else "?"
         return (
             f"Loader(batch_size={self.batch_size}, rank={self.rank}, world_size={self.world_size}, "
-            f"epoch={self._epoch}, batches={len(self)})"
+            f"epoch={self._epoch}, batches={batches}, output={self.output!r})"
         )
+
+
+def _torch_converter() -> Callable[[Dict[str, Any]], Dict[str, Any]]:
+    """The batch → tensors conversion; imports torch (only ``output="torch"`` pays for it)."""
+    import torch
+
+    from_numpy = torch.from_numpy
+
+    def convert(batch: Dict[str, Any]) -> Dict[str, Any]:
+        for name, value in batch.items():
+            if isinstance(value, list):
+                batch[name] = [from_numpy(a) for a in value]
+            else:
+                batch[name] = from_numpy(value)
+        return batch
+
+    return convert
 
 
 class _EpochIterator:
     """One pass over an epoch. Holds no batch between ``next`` calls."""
 
-    __slots__ = ("_loader", "_next", "_timeout")
+    __slots__ = ("_loader", "_next", "_timeout", "_generation", "_convert")
 
     def __init__(self, loader: Loader) -> None:
         self._loader = loader
-        self._next = loader._stream.next
+        self._next = loader._native().next
         self._timeout = loader.timeout
+        self._generation = loader._generation
+        self._convert = loader._convert
 
     def __iter__(self) -> "_EpochIterator":
         return self
 
     def __next__(self) -> Batch:
         loader = self._loader
+        if self._generation != loader._generation:
+            raise RuntimeError(
+                "stoker: this iterator was replaced by a newer iter(loader), which restarted the epoch; "
+                "use the newest iterator"
+            )
+        if loader._pid != os.getpid():
+            # Forked: the parent's connection is not ours; open our own at the same position.
+            self._next = loader._native().next
         try:
             try:
                 batch = self._next(self._timeout)
@@ -448,14 +684,16 @@ class _EpochIterator:
                 if loader.reconnect <= 0:
                     raise
                 loader._reconnect(e)
-                self._next = loader._stream.next
+                self._next = loader._stream.next  # type: ignore[union-attr]
                 batch = self._next(self._timeout)
         finally:
             # The daemon's count, not ours: it also moves past failed batches
             # and past replies that arrived after a timeout.
-            epoch, step = loader._stream.position()
+            epoch, step = loader._stream.position()  # type: ignore[union-attr]
             if epoch == loader._epoch:
                 loader._step = step
         if batch is None:
             raise StopIteration
+        if self._convert is not None:
+            return self._convert(batch)
         return batch
