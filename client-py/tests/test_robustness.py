@@ -168,8 +168,9 @@ def test_holding_every_slot_grows_the_ring_then_raises_past_the_budget(start_dae
     the next batch raises LimitError (never a hang), and dropping one lets it
     go on."""
     depth = 2
-    # Ring: a header page and two one-page slots, plus a 16 KiB control page; room for 3 more slots.
-    d = start_daemon(depth=depth, extra="[limits]\nmax_ring_bytes_per_client = 40960\n")
+    # Ring: a header page and two one-page slots, plus a 16 KiB control page
+    # (28 KiB); room for 3 more one-slot segments of two pages each.
+    d = start_daemon(depth=depth, extra="[limits]\nmax_ring_bytes_per_client = 53248\n")
     loader = stoker.Loader(data.spec(stoker), batch_size=BATCH, shuffle=False, socket=d.socket)
     it = iter(loader)
     held = [next(it) for _ in range(depth + 3)]

@@ -256,26 +256,30 @@ def test_state_dict_is_exact_after_a_timeout(start_daemon, stoker, data) -> None
     assert np.array_equal(next(it)["label"], expected[0])
     assert np.array_equal(next(it)["label"], expected[1])
     stop_all_threads(d.proc.pid)
+    got = []
     try:
-        it._timeout = 0.3  # this one wait only
+        it._timeout = 0.3  # these waits only
         with pytest.raises(stoker.Timeout):
-            next(it)
+            for _ in range(100):  # batches published before the daemon stopped come first
+                got.append(np.array(next(it)["label"]))
     finally:
         os.kill(d.proc.pid, signal.SIGCONT)
     it._timeout = None
-    # Batch 2 was delivered to the timed-out wait and given back unseen; the
-    # loop goes on with batch 3, and the saved position is past it.
-    got = next(it)
-    assert np.array_equal(got["label"], expected[3])
+    # Nothing was lost to the timed-out wait: the loop goes on with the next
+    # batch, and the saved position is past it.
+    got.append(np.array(next(it)["label"]))
+    for k, labels in enumerate(got):
+        assert np.array_equal(labels, expected[2 + k])
     state = loader.state_dict()
-    assert state["step"] == 4, state
+    assert state["step"] == 2 + len(got), state
+    taken = state["step"]
 
     resumed = stoker.Loader("train", **kw)
     resumed.load_state_dict(state)
     resumed.set_epoch(2)
     rest = [np.array(b["label"]) for b in resumed]
-    assert len(rest) == len(expected) - 4
-    for a, b in zip(rest, expected[4:]):
+    assert len(rest) == len(expected) - taken
+    for a, b in zip(rest, expected[taken:]):
         assert np.array_equal(a, b)
 
 
@@ -581,8 +585,11 @@ def test_sigterm_tells_waiting_clients_and_exits_cleanly(start_daemon, stoker, t
     assert not os.path.exists(d.socket), "the socket file was left behind"
     assert caught and isinstance(caught[0], stoker.DaemonUnavailable), caught
     assert "shutting down" in str(caught[0]) or "stopped or restarted" in str(caught[0])
+    # An idle client may still take the batches published before the stop
+    # (they are whole, in its mapping); then it hears the daemon is gone.
     with pytest.raises(stoker.DaemonUnavailable):
-        next(iter(idle))
+        for _ in range(100):
+            next(iter(idle))
 
 
 def test_sigterm_restart_resumes_exactly(keyed_daemon, stoker, data) -> None:
