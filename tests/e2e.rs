@@ -136,24 +136,24 @@ fn serves_every_sample_once_per_epoch_with_the_written_values() {
 }
 
 #[test]
-fn holding_every_slot_is_an_error_not_a_hang_and_release_recovers() {
+fn holding_more_batches_than_the_depth_grows_the_ring() {
     let dir = tempfile::tempdir().unwrap();
     write_files(dir.path());
     let daemon = Daemon::start(dir.path(), 2);
     let client = Client::connect(&daemon.socket).unwrap();
     let stream = client.open_stream(open(10, 0, 1, false)).unwrap();
-    let first = stream.next().unwrap().unwrap();
-    let second = stream.next().unwrap().unwrap();
-    match stream.next() {
-        Err(ClientError::Daemon { kind: ErrorKind::RingExhausted, .. }) => {}
-        other => panic!("expected RingExhausted, got {other:?}"),
+    // Keep every batch of the epoch: five times the ring's depth.
+    let held: Vec<Batch> = (0..10).map(|_| stream.next().unwrap().unwrap()).collect();
+    assert!(stream.next().unwrap().is_none(), "the epoch has 10 batches");
+    for (step, batch) in held.iter().enumerate() {
+        assert_eq!(batch.step(), step as u64);
+        assert_eq!(ids(batch), (10 * step as u16..10 * step as u16 + 10).collect::<Vec<u16>>());
     }
-    assert_eq!(ids(&first), (0..10).collect::<Vec<u16>>());
-    drop(first);
-    let third = stream.next().unwrap().unwrap();
-    assert_eq!(third.step(), 2);
-    assert_eq!(ids(&third)[0], 20);
-    drop((second, third));
+    let status = client.status().unwrap();
+    assert!(status.streams[0].depth >= 10, "the ring grew: {:?}", status.streams[0]);
+    drop(held);
+    stream.set_epoch(1, 0).unwrap();
+    assert_eq!(rest_of_epoch(&stream).len(), 100);
 }
 
 #[test]
@@ -278,8 +278,14 @@ fn fuzzed_requests_never_take_the_daemon_down() {
                 let release = encode_frame(&Request::Release { stream, slot: (a % 1000) as u32 }).unwrap();
                 let _ = std::io::Write::write_all(&mut sock, &release);
                 let _ = raw_exchange(&mut sock, &encode_frame(&Request::Next { stream }).unwrap());
+                let wake = encode_frame(&Request::Wake { stream }).unwrap();
+                let _ = std::io::Write::write_all(&mut sock, &wake);
+                let _ = raw_exchange(&mut sock, &encode_frame(&Request::Fetch { stream, seq: e as u32 }).unwrap());
+                let _ = raw_exchange(&mut sock, &encode_frame(&Request::Segment { stream, slot: f as u32 }).unwrap());
             }
             let _ = raw_exchange(&mut sock, &encode_frame(&Request::Next { stream: d }).unwrap());
+            let _ = raw_exchange(&mut sock, &encode_frame(&Request::Fetch { stream: d, seq: a as u32 }).unwrap());
+            let _ = raw_exchange(&mut sock, &encode_frame(&Request::Segment { stream: d, slot: b as u32 }).unwrap());
             let exited = child.borrow_mut().try_wait().unwrap();
             prop_assert!(exited.is_none(), "the daemon died: {exited:?}");
             Ok(())
