@@ -458,11 +458,14 @@ mod tests {
     }
 
     /// Two real threads: every record arrives once, in order, and every
-    /// release is seen, with the wake handshakes racing all along.
+    /// release is seen, with the wake handshakes racing all along. Also run
+    /// under Miri (`cargo +nightly miri test -p stoker-proto ctrl`), which
+    /// checks the orderings for data races and emulates weak memory.
     #[test]
     fn threads_hand_over_every_record_and_release() {
         let c: Arc<Control> = Arc::from(Control::boxed());
-        const N: u64 = 200_000;
+        // Miri explores weak-memory interleavings: fewer rounds, each far more thorough.
+        const N: u64 = if cfg!(miri) { 300 } else { 200_000 };
         let daemon = {
             let c = c.clone();
             std::thread::spawn(move || {
