@@ -45,7 +45,7 @@ impl Conn {
         })
     }
 
-    fn check_pid(&self) -> Result<()> {
+    pub(crate) fn check_pid(&self) -> Result<()> {
         let current = std::process::id();
         if current != self.owner_pid {
             return Err(ClientError::Forked { owner: self.owner_pid, current });

@@ -230,6 +230,10 @@ impl Shared {
     /// Gives `slot` back: through the control page, or by message when its
     /// queue is full; wakes the daemon if it waits for it.
     fn release(&self, slot: u32) {
+        if !self.control.is_mapped_here() {
+            // A forked child's copy of a lease: the slot is the parent's to give back.
+            return;
+        }
         let queued = lock(&self.consumer).release(self.control.control(), slot);
         // A failed send means the connection is gone, and with it every lease.
         let _ = match queued {
@@ -268,6 +272,7 @@ impl Stream {
     /// [`Stream::next_interruptible`]. A no-op (no message) when the stream
     /// is already there, as after an epoch ends.
     pub fn set_epoch_interruptible(&self, epoch: u64, step: u64, interrupted: &mut dyn FnMut() -> bool) -> Result<()> {
+        self.shared.conn.check_pid()?;
         if lock(&self.shared.pending_epoch).is_none() && self.position() == (epoch, step) {
             return Ok(());
         }
@@ -308,6 +313,8 @@ impl Stream {
     /// system call; otherwise the call spins briefly, then sleeps on a futex
     /// the daemon wakes when it publishes.
     pub fn next_interruptible(&self, interrupted: &mut dyn FnMut() -> bool) -> Result<Option<Batch>> {
+        // The control page is not mapped in a forked child.
+        self.shared.conn.check_pid()?;
         let pending = *lock(&self.shared.pending_epoch);
         if let Some((epoch, step)) = pending {
             self.set_epoch_interruptible(epoch, step, interrupted)?;

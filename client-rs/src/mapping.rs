@@ -145,6 +145,13 @@ impl ControlMap {
         Ok(page)
     }
 
+    /// Whether this process mapped it (a forked child has no such mapping:
+    /// `MADV_DONTFORK`).
+    pub(crate) fn is_mapped_here(&self) -> bool {
+        std::process::id() == self.owner
+    }
+
+    /// The page. Call only where [`ControlMap::is_mapped_here`].
     pub(crate) fn control(&self) -> &Control {
         assert!(self.map.len() >= std::mem::size_of::<Control>(), "checked in ControlMap::new");
         // SAFETY: page-aligned, large enough (checked above and in `new`),
