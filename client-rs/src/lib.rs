@@ -158,6 +158,7 @@ impl Client {
         let shared = Arc::new(Shared {
             conn: self.conn.clone(),
             stream: info.stream,
+            depth: info.depth,
             control,
             consumer: Mutex::new(Consumer::default()),
             extras: Mutex::new(HashMap::new()),
@@ -211,6 +212,8 @@ const SPIN: Duration = Duration::from_micros(20);
 struct Shared {
     conn: Arc<Conn>,
     stream: u64,
+    /// Slots in the ring; ids from here on are extra segments.
+    depth: u32,
     control: ControlMap,
     /// Taking records and queueing releases (one thread at a time).
     consumer: Mutex<Consumer>,
@@ -438,6 +441,13 @@ impl Stream {
     }
 }
 
+impl Lease {
+    /// Slots in the ring proper (ids past it are extra segments).
+    fn mapping_depth(&self) -> u32 {
+        self.shared.depth
+    }
+}
+
 /// Holds one slot; dropping it releases the slot to the daemon.
 #[derive(Debug)]
 struct Lease {
@@ -454,6 +464,11 @@ impl Drop for Lease {
         // Writes to the batch were private copy-on-write pages: drop them so
         // the next batch in this slot is read from the daemon's pages.
         self.mapping.discard(self.index);
+        if self.slot >= self.mapping_depth() {
+            // The daemon may destroy an extra segment once it is back: do not
+            // keep it mapped (its memory would outlive the daemon's accounting).
+            lock(&self.shared.extras).remove(&self.slot);
+        }
         self.shared.release(self.slot);
     }
 }

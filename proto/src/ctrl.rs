@@ -9,12 +9,12 @@
 //! - **records**, daemon → client: what the stream delivers, in order (a
 //!   batch in slot *s*, the end of an epoch, a failed batch, "every slot is
 //!   held"). The daemon writes a record, then publishes it by advancing
-//!   [`Control::published`] (Release); the client reads `published` (Acquire),
-//!   then the record, then advances [`Control::consumed`] (Release).
+//!   [`DaemonWords::published`] (Release); the client reads `published` (Acquire),
+//!   then the record, then advances [`ClientWords::consumed`] (Release).
 //! - **releases**, client → daemon: slot ids the client gave back. The client
-//!   writes an entry, then advances [`Control::released`] (Release); the
+//!   writes an entry, then advances [`ClientWords::released`] (Release); the
 //!   daemon reads `released` (Acquire), then the entries, then advances
-//!   [`Control::reclaimed`] (Release) so the client sees the room.
+//!   [`DaemonWords::reclaimed`] (Release) so the client sees the room.
 //!
 //! Sleeping and waking: a side that finds nothing to do after a short spin
 //! sets its *waiting* word, issues a SeqCst fence and looks again before it
@@ -22,7 +22,7 @@
 //! that word (Dekker's pattern: at least one of the two sees the other's
 //! store). The client sleeps on a futex on `published` (the futex rechecks
 //! the value, so a wake cannot be lost); the daemon, which never blocks a
-//! thread on a client, "sleeps" by setting [`Control::daemon_waiting`], and a
+//! thread on a client, "sleeps" by setting [`DaemonWords::daemon_waiting`], and a
 //! client that clears it sends one `Wake` message over the socket.
 //!
 //! Trust: the client can write anything anywhere in this page at any time.
