@@ -28,8 +28,12 @@ What it measures (one daemon, one Python process, HDF5 in the page cache):
    within the depth and ``next()`` in a loop that consumes as fast as it can
    (each batch waits for its fill: the steady-state per-batch time).
 
-    python benches/hdf5_throughput.py ... (throughput, see docs/performance.md)
-    python benches/handoff.py                 # writes docs/performance-handoff.md
+4. (--read-loop only) MB/s of an epoch loop over 1 MiB and 8 MiB batches,
+   empty and copying each batch into one preallocated buffer; numpy output
+   only, so a client from before the handoff change runs it too (A/B).
+
+    python benches/handoff.py                 # writes docs/performance-handoff.md (keeps its hand-written part)
+    python benches/handoff.py --read-loop --stoker OLD/stoker   # with OLD's virtualenv python
     python benches/handoff.py --quick --out - # smoke test, prints only
 """
 
