@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use stoker_proto::{DatasetInfo, DatasetRef, DatasetStatus, ErrorKind, LmdbDataset, TransformDef};
 
 use crate::cache::ChunkCache;
-use crate::codec::{Codec, RawLayout};
+use crate::codec::{Codec, Convert, RawLayout};
 use crate::config::{DatasetConfig, Hdf5DatasetConfig, Settings};
 use crate::fsaccess::{self, AccessError, CheckedLmdb, FileId, Peer, Rights, Want};
 use crate::source::hdf5::{self, Hdf5Source, Hdf5Spec, OpenFiles, Window};
@@ -427,14 +427,29 @@ pub fn lmdb_spec(ds: &LmdbDataset, allowed_roots: Option<Vec<PathBuf>>) -> Resul
         if !Path::new(&f.env).is_absolute() {
             return Err(field_err("the environment path must be absolute".into()));
         }
-        let raw = match (&f.dtype, &f.shape) {
-            (Some(dtype), Some(shape)) => {
-                Some(RawLayout::new(dtype, shape.clone()).map_err(|e| field_err(e.to_string()))?)
+        let image = Codec::parse(&f.codec, None).ok().filter(Codec::is_image);
+        let codec = match image {
+            // An image field's dtype (and mode) is what its pixels are converted to.
+            Some(image) if f.shape.is_none() => Convert::parse(f.mode.as_deref(), f.dtype.as_deref())
+                .and_then(|convert| image.with_convert(convert))
+                .map_err(|e| field_err(e.to_string()))?,
+            _ => {
+                if let Some(mode) = &f.mode {
+                    return Err(field_err(format!(
+                        "mode = {mode:?} only goes with png and jpeg values, not codec {:?}",
+                        f.codec
+                    )));
+                }
+                let raw = match (&f.dtype, &f.shape) {
+                    (Some(dtype), Some(shape)) => {
+                        Some(RawLayout::new(dtype, shape.clone()).map_err(|e| field_err(e.to_string()))?)
+                    }
+                    (None, None) => None,
+                    _ => return Err(field_err("raw values need both dtype and shape".into())),
+                };
+                Codec::parse(&f.codec, raw).map_err(|e| field_err(e.to_string()))?
             }
-            (None, None) => None,
-            _ => return Err(field_err("raw values need both dtype and shape".into())),
         };
-        let codec = Codec::parse(&f.codec, raw).map_err(|e| field_err(e.to_string()))?;
         let transforms = f.transforms.iter().map(step).collect::<Result<Vec<_>, _>>().map_err(field_err)?;
         fields.push(LmdbField {
             name: f.name.clone(),

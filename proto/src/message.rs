@@ -155,7 +155,8 @@ pub struct LmdbFieldDef {
     pub env: String,
     /// Value codec: `png`, `jpeg`, `npy`, `raw`, optionally `lz4+…` or `zstd+…`.
     pub codec: String,
-    /// For `raw`: dtype such as `"uint8"` or `"<f4"`.
+    /// For `raw`: dtype such as `"uint8"` or `"<f4"`. For `png`/`jpeg`: the
+    /// dtype pixels are converted to, `"uint8"`, `"uint16"` or `"float32"` (`[0, 1]`).
     #[serde(default)]
     pub dtype: Option<String>,
     /// For `raw`: the value's shape.
@@ -170,6 +171,10 @@ pub struct LmdbFieldDef {
     /// Bytes reserved per sample when the shape varies (ragged delivery).
     #[serde(default)]
     pub max_sample_bytes: Option<u64>,
+    /// For `png`/`jpeg`: `"unchanged"` (default), `"L"`, `"RGB"` or `"RGBA"`,
+    /// converted as Pillow's `Image.convert` does.
+    #[serde(default)]
+    pub mode: Option<String>,
 }
 
 /// Pairing of a field's random draws with another field's.

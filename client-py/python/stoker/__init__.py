@@ -172,7 +172,11 @@ def lmdb(
     ``fields`` maps each field to its codec: ``"png"``, ``"jpeg"``, ``"npy"``,
     optionally ``"lz4+npy"``/``"zstd+png"`` and so on, or
     ``{"codec": "raw", "dtype": "uint8", "shape": [32, 32, 3]}``. Images come
-    out ``[h, w, c]``. ``transforms`` maps fields to steps run in the daemon
+    out ``[h, w, c]``; ``{"codec": "png", "mode": "RGB"}`` converts each image
+    as Pillow's ``Image.open(f).convert("RGB")`` does (modes ``"L"``,
+    ``"RGB"``, ``"RGBA"``; ``"unchanged"`` is the default), so mixed gray,
+    RGB, RGBA, palette and 16-bit images come out alike, and ``"dtype"``
+    (``"uint8"``, ``"uint16"``, ``"float32"`` in ``[0, 1]``) sets the pixel type. ``transforms`` maps fields to steps run in the daemon
     (see :func:`_transform` for the forms): crops, resize, random horizontal
     flip, ``to_f32``, ``normalize``, ``chw``; random steps are deterministic in
     (seed, epoch, index). ``pair={"hr": ("lr", 4)}`` makes ``hr``'s random
@@ -207,6 +211,8 @@ def lmdb(
             d.update(codec=codec, dtype=None, shape=None)
         else:
             d.update(codec=codec["codec"], dtype=codec.get("dtype"), shape=codec.get("shape"))
+            if codec.get("mode") is not None:
+                d["mode"] = codec["mode"]
             if d["shape"] is not None:
                 d["shape"] = [int(x) for x in d["shape"]]
         d["transforms"] = [_transform(t) for t in (transforms or {}).get(name, [])]

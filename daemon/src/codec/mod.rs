@@ -11,6 +11,7 @@
 #![forbid(unsafe_code)]
 
 mod image;
+mod mode;
 mod npy;
 mod wrap;
 
@@ -20,6 +21,7 @@ use std::str::FromStr;
 
 use stoker_proto::DType;
 
+pub use mode::{Convert, Mode};
 pub use wrap::Wrap;
 
 /// Element type and shape of a decoded value (C order, native byte order).
@@ -132,6 +134,8 @@ pub struct Codec {
     pub wrap: Wrap,
     /// The value's format.
     pub format: Format,
+    /// For `png`/`jpeg`: the mode and dtype decoded pixels are converted to.
+    pub convert: Convert,
 }
 
 impl fmt::Display for Codec {
@@ -139,7 +143,11 @@ impl fmt::Display for Codec {
         match self.wrap {
             Wrap::None => f.write_str(self.format.name()),
             wrap => write!(f, "{}+{}", wrap.name(), self.format.name()),
+        }?;
+        if !self.convert.is_identity() {
+            write!(f, " as {}", self.convert.output_name())?;
         }
+        Ok(())
     }
 }
 
@@ -243,12 +251,59 @@ impl Codec {
             ("jpeg" | "jpg", None) => Format::Jpeg,
             _ => return Err(unknown()),
         };
-        Ok(Codec { wrap, format })
+        Ok(Codec { wrap, format, convert: Convert::default() })
     }
 
     /// Dtype and shape of `value` once decoded, reading only headers where
     /// the format has them (a wrapped image is decompressed, not decoded).
     pub fn probe(&self, value: &[u8]) -> Result<ArrayInfo, CodecError> {
+        let decoded = self.probe_decoded(value)?;
+        Ok(if self.is_image() { self.convert.output(&decoded) } else { decoded })
+    }
+
+    /// Whether values are images (`png`, `jpeg`), which may take a [`Convert`].
+    pub fn is_image(&self) -> bool {
+        matches!(self.format, Format::Png | Format::Jpeg)
+    }
+
+    /// This codec with its decoded images converted by `convert`.
+    pub fn with_convert(self, convert: Convert) -> Result<Codec, CodecError> {
+        if !self.is_image() && !convert.is_identity() {
+            return Err(CodecError::RawLayout(format!(
+                "codec {self}: an image mode or dtype only goes with png and jpeg values"
+            )));
+        }
+        Ok(Codec { convert, ..self })
+    }
+
+    /// Decodes an image, then converts it (see [`Convert`]) into `out`.
+    fn decode_converted(
+        &self,
+        value: &[u8],
+        expect: Option<&ArrayInfo>,
+        out: &mut impl DecodeOutput,
+        scratch: &mut Vec<u8>,
+        max_bytes: u64,
+    ) -> Result<ArrayInfo, CodecError> {
+        let plain = Codec { convert: Convert::default(), ..self.clone() };
+        let decoded = plain.probe(value)?;
+        let converted = self.convert.output(&decoded);
+        if let Some(expected) = expect
+            && *expected != converted
+        {
+            return Err(CodecError::Mismatch { expected: expected.clone(), found: converted });
+        }
+        decoded.check_size(max_bytes)?;
+        let bytes = converted.check_size(max_bytes)?;
+        DECODED.with_borrow_mut(|pixels| -> Result<(), CodecError> {
+            plain.decode(value, pixels, scratch, max_bytes)?;
+            self.convert.apply(&decoded, pixels.as_slice(), out.alloc(bytes))
+        })?;
+        Ok(converted)
+    }
+
+    /// Dtype and shape of `value` as the format decodes it, before any [`Convert`].
+    fn probe_decoded(&self, value: &[u8]) -> Result<ArrayInfo, CodecError> {
         match (&self.format, self.wrap) {
             (Format::Raw(layout), _) => Ok(layout.info()),
             (Format::Npy, Wrap::None) => Ok(npy::Header::parse(value)?.0.info),
@@ -278,6 +333,11 @@ impl Codec {
         scratch: &mut Vec<u8>,
     ) -> Result<(), CodecError> {
         assert_eq!(dst.len(), expect.bytes(), "decode_into: destination must hold exactly the expected array");
+        if self.is_image() && !self.convert.is_identity() {
+            // The decoded image is at most 8× the converted one (4 channels of uint16 to 1 of uint8).
+            let limit = (expect.bytes() as u64).saturating_mul(8);
+            return self.decode_converted(value, Some(expect), &mut SliceOut(dst), scratch, limit).map(drop);
+        }
         let check = |found: ArrayInfo| -> Result<(), CodecError> {
             if found == *expect { Ok(()) } else { Err(CodecError::Mismatch { expected: expect.clone(), found }) }
         };
@@ -331,6 +391,9 @@ impl Codec {
         scratch: &mut Vec<u8>,
         max_bytes: u64,
     ) -> Result<ArrayInfo, CodecError> {
+        if self.is_image() && !self.convert.is_identity() {
+            return self.decode_converted(value, None, out, scratch, max_bytes);
+        }
         if let Format::Raw(layout) = &self.format {
             let info = layout.info();
             let bytes = info.check_size(max_bytes)?;
@@ -371,6 +434,21 @@ impl Codec {
 pub trait DecodeOutput {
     /// Makes the buffer `len` bytes long (contents unspecified) and returns it.
     fn alloc(&mut self, len: usize) -> &mut [u8];
+}
+
+thread_local! {
+    /// Decoded pixels awaiting their [`Convert`], one buffer per worker thread.
+    static DECODED: std::cell::RefCell<AlignedBuf> = std::cell::RefCell::default();
+}
+
+/// A destination of exactly the right size (a slot row).
+struct SliceOut<'a>(&'a mut [u8]);
+
+impl DecodeOutput for SliceOut<'_> {
+    fn alloc(&mut self, len: usize) -> &mut [u8] {
+        assert_eq!(self.0.len(), len, "the destination holds exactly the converted image");
+        self.0
+    }
 }
 
 impl DecodeOutput for AlignedBuf {

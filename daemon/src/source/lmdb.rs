@@ -525,7 +525,7 @@ impl LmdbSource {
         // Native-order raw bytes of the laid-out size go straight from the map
         // into the slot row: the one copy decoding would make anyway.
         if let (None, LmdbOut::Fixed(dst), Some(layout)) = (&plan.chain, &mut *out, &plan.decoded) {
-            let plain = matches!(&plan.codec, Codec { wrap: Wrap::None, format: Format::Raw(raw) }
+            let plain = matches!(&plan.codec, Codec { wrap: Wrap::None, format: Format::Raw(raw), .. }
                 if raw.order == ByteOrder::NATIVE || raw.dtype.size() == 1);
             if plain && found.len() == dst.len() {
                 txn.copy(found, dst).map_err(|e| err(e.to_string()))?;
