@@ -86,7 +86,7 @@ fn report(dataset: hdf5::Dataset, path: String, cache: &ChunkCache) -> DatasetRe
     .to_string();
     let (dtype, servable, read_path) = match classify(&file_type) {
         Ok((dtype, descriptor)) if !shape.is_empty() => {
-            let read_path = match hdf5::Datatype::from_descriptor(&descriptor)
+            let read_path = match crate::source::hdf5::mem_type(&file_type, &descriptor)
                 .map_err(|e| e.to_string())
                 .and_then(|mem| FieldReader::new(dataset, dtype, &file_type, mem, cache.new_id(), true))
             {

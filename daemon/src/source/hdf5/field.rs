@@ -469,3 +469,31 @@ fn chunked(dataset: &hdf5::Dataset, file_type: &hdf5::Datatype, dims: &[u64], el
     let chunk_bytes = chunk.iter().product::<u64>() as usize * elem;
     Ok(Layout::Chunked(Chunked { chunk, grid, chunk_bytes, filters, fill, locations: RwLock::new(HashMap::new()) }))
 }
+
+/// The size in bytes of `file_type` when it is an HDF5 bitfield
+/// (`H5T_BITFIELD`: PyTables' bool arrays), `None` for any other class.
+pub(crate) fn bitfield_size(file_type: &hdf5::Datatype) -> Option<usize> {
+    use hdf5_sys::h5t::{H5T_class_t, H5Tget_class, H5Tget_size};
+    hdf5::sync::sync(|| {
+        // SAFETY: the type id is valid while `file_type` lives; both calls
+        // only read the type, under hdf5-metno's global lock.
+        unsafe {
+            (H5Tget_class(file_type.id()) == H5T_class_t::H5T_BITFIELD).then(|| H5Tget_size(file_type.id()))
+        }
+    })
+}
+
+/// The native in-memory form of `file_type` (`H5Tget_native_type`).
+pub(crate) fn native_type(file_type: &hdf5::Datatype) -> hdf5::Result<hdf5::Datatype> {
+    use hdf5_sys::h5t::{H5T_direction_t, H5Tget_native_type};
+    let id = hdf5::sync::sync(|| {
+        // SAFETY: the type id is valid while `file_type` lives; the returned
+        // id is a new type that `from_id` takes ownership of (or an error).
+        unsafe { H5Tget_native_type(file_type.id(), H5T_direction_t::H5T_DIR_ASCEND) }
+    });
+    if id < 0 {
+        return Err("H5Tget_native_type failed".into());
+    }
+    // SAFETY: `id` is a datatype id just created by libhdf5, owned by nobody else.
+    unsafe { hdf5::from_id(id) }
+}

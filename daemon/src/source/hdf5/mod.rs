@@ -546,7 +546,7 @@ fn open_file(
                 path.display()
             )));
         }
-        let mem_type = hdf5::Datatype::from_descriptor(&descriptor).map_err(|e| field_err(e.to_string()))?;
+        let mem_type = mem_type(&file_type, &descriptor).map_err(|e| field_err(e.to_string()))?;
         let reader =
             FieldReader::new(dataset, dtype, &file_type, mem_type, cache_id, spec.fast_path).map_err(field_err)?;
         specs.push(FieldSpec {
@@ -568,22 +568,21 @@ fn open_file(
 }
 
 /// Maps an HDF5 file type to the dtype served, or describes what it is.
+///
+/// Enums are served as their base integer type and bitfields (PyTables'
+/// bool arrays) as unsigned integers of their size, as h5py reads both.
 pub(crate) fn classify(file_type: &hdf5::Datatype) -> Result<(DType, TypeDescriptor), String> {
+    if let Some(size) = field::bitfield_size(file_type) {
+        let size = IntSize::from_int(size).ok_or_else(|| format!("{}-byte bitfield", size))?;
+        return Ok((unsigned(size), TypeDescriptor::Unsigned(size)));
+    }
     let descriptor = file_type.to_descriptor().map_err(|e| format!("unsupported ({e})"))?;
     let dtype = match &descriptor {
         TypeDescriptor::Boolean => DType::Bool,
-        TypeDescriptor::Integer(size) => match size {
-            IntSize::U1 => DType::I8,
-            IntSize::U2 => DType::I16,
-            IntSize::U4 => DType::I32,
-            IntSize::U8 => DType::I64,
-        },
-        TypeDescriptor::Unsigned(size) => match size {
-            IntSize::U1 => DType::U8,
-            IntSize::U2 => DType::U16,
-            IntSize::U4 => DType::U32,
-            IntSize::U8 => DType::U64,
-        },
+        TypeDescriptor::Enum(e) if e.signed => signed(e.size),
+        TypeDescriptor::Enum(e) => unsigned(e.size),
+        TypeDescriptor::Integer(size) => signed(*size),
+        TypeDescriptor::Unsigned(size) => unsigned(*size),
         TypeDescriptor::Float(size) => match size {
             FloatSize::U2 => DType::F16,
             FloatSize::U4 => DType::F32,
@@ -592,6 +591,35 @@ pub(crate) fn classify(file_type: &hdf5::Datatype) -> Result<(DType, TypeDescrip
         other => return Err(describe(other)),
     };
     Ok((dtype, descriptor))
+}
+
+fn signed(size: IntSize) -> DType {
+    match size {
+        IntSize::U1 => DType::I8,
+        IntSize::U2 => DType::I16,
+        IntSize::U4 => DType::I32,
+        IntSize::U8 => DType::I64,
+    }
+}
+
+fn unsigned(size: IntSize) -> DType {
+    match size {
+        IntSize::U1 => DType::U8,
+        IntSize::U2 => DType::U16,
+        IntSize::U4 => DType::U32,
+        IntSize::U8 => DType::U64,
+    }
+}
+
+/// The in-memory type `H5Dread` converts a field to: the native form of
+/// what [`classify`] returned (an enum stays an enum with the same members,
+/// whose bytes are its base integers; a bitfield stays a native bitfield,
+/// since libhdf5 converts neither to plain integers).
+pub(crate) fn mem_type(file_type: &hdf5::Datatype, descriptor: &TypeDescriptor) -> hdf5::Result<hdf5::Datatype> {
+    match field::bitfield_size(file_type) {
+        Some(_) => field::native_type(file_type),
+        None => hdf5::Datatype::from_descriptor(descriptor),
+    }
 }
 
 fn describe(td: &TypeDescriptor) -> String {
