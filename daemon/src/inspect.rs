@@ -64,7 +64,13 @@ fn report(dataset: hdf5::Dataset, path: String, cache: &ChunkCache) -> DatasetRe
     let shape: Vec<u64> = dataset.shape().iter().map(|&d| d as u64).collect();
     let layout = format!("{:?}", dataset.layout()).to_lowercase();
     let chunks = dataset.chunk().map(|c| c.iter().map(|&d| d as u64).collect());
-    let filters = dataset.filters().iter().map(|f| format!("{f:?}")).collect();
+    let filters = crate::source::hdf5::field_filters(&dataset)
+        .iter()
+        .map(|(name, id, decoder)| match decoder {
+            Some(decoder) => format!("{name} ({id}): decoded by {decoder}"),
+            None => format!("{name} ({id}): NOT decodable here (pip install hdf5plugin; set HDF5_PLUGIN_PATH)"),
+        })
+        .collect();
     let Ok(file_type) = dataset.dtype() else {
         return DatasetReport {
             path,

@@ -132,6 +132,14 @@ impl FieldReader {
                 other => Layout::Library { reason: format!("{other:?} layout") },
             }
         };
+        if !matches!(layout, Layout::Chunked(_)) {
+            // libhdf5 reads it, so libhdf5 must have every filter of the pipeline.
+            let missing: Vec<FilterSpec> =
+                pipeline(&dataset).into_iter().filter(|f| !library_has_filter(f.id)).collect();
+            if !missing.is_empty() {
+                return Err(undecodable(&missing));
+            }
+        }
         Ok(FieldReader { dataset, dims, elem, swap, mem_type, layout, cache_id })
     }
 
@@ -496,4 +504,107 @@ pub(crate) fn native_type(file_type: &hdf5::Datatype) -> hdf5::Result<hdf5::Data
     }
     // SAFETY: `id` is a datatype id just created by libhdf5, owned by nobody else.
     unsafe { hdf5::from_id(id) }
+}
+
+/// The dataset's filter pipeline (`H5Pget_filter2`), empty when it has none.
+pub(crate) fn pipeline(dataset: &hdf5::Dataset) -> Vec<FilterSpec> {
+    use hdf5_sys::h5d::H5Dget_create_plist;
+    use hdf5_sys::h5p::{H5Pclose, H5Pget_filter2, H5Pget_nfilters};
+    hdf5::sync::sync(|| {
+        let mut filters = Vec::new();
+        // SAFETY: the dataset id is valid while `dataset` lives; the property
+        // list is created here and closed before returning; buffers are sized
+        // as passed (32 client-data values, a 256-byte name); under
+        // hdf5-metno's global lock.
+        unsafe {
+            let dcpl = H5Dget_create_plist(dataset.id());
+            if dcpl < 0 {
+                return filters;
+            }
+            for i in 0..H5Pget_nfilters(dcpl).max(0) {
+                let (mut flags, mut nelmts, mut config): (c_uint, usize, c_uint) = (0, 32, 0);
+                let mut cd = vec![0 as c_uint; 32];
+                let mut name = [0 as c_char; 256];
+                let id = H5Pget_filter2(
+                    dcpl,
+                    i as c_uint,
+                    &mut flags,
+                    &mut nelmts,
+                    cd.as_mut_ptr(),
+                    name.len(),
+                    name.as_mut_ptr(),
+                    &mut config,
+                );
+                if id < 0 {
+                    continue;
+                }
+                cd.truncate(nelmts.min(32));
+                let name = std::ffi::CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned();
+                filters.push(FilterSpec { id: id as u32, flags, client_data: cd, name });
+            }
+            H5Pclose(dcpl);
+        }
+        filters
+    })
+}
+
+/// Whether libhdf5 can apply filter `id`: built in, registered, or loadable
+/// as a plugin from `HDF5_PLUGIN_PATH` (`H5Zfilter_avail` tries to load it).
+pub(crate) fn library_has_filter(id: u32) -> bool {
+    let Ok(id) = i32::try_from(id) else { return false };
+    // SAFETY: H5Zfilter_avail takes a plain filter id; under hdf5-metno's global lock.
+    hdf5::sync::sync(|| unsafe { hdf5_sys::h5z::H5Zfilter_avail(id) } > 0)
+}
+
+/// Who decodes `filter` here: `"Rust"`, `"libhdf5"` (built in or a plugin),
+/// or `None` when nothing can.
+pub(crate) fn decoder_of(filter: &FilterSpec) -> Option<&'static str> {
+    if filter::unsupported_reason(std::slice::from_ref(filter)).is_none() {
+        Some("Rust")
+    } else if library_has_filter(filter.id) {
+        Some("libhdf5")
+    } else {
+        None
+    }
+}
+
+/// A filter's usual name (hdf5plugin's names for the registered plugins).
+pub(crate) fn filter_name(filter: &FilterSpec) -> String {
+    let known = match filter.id {
+        1 => "deflate",
+        2 => "shuffle",
+        3 => "fletcher32",
+        4 => "szip",
+        5 => "nbit",
+        6 => "scaleoffset",
+        307 => "bzip2",
+        32000 => "lzf",
+        32001 => "blosc",
+        32004 => "lz4",
+        32008 => "bitshuffle",
+        32013 => "zfp",
+        32015 => "zstd",
+        32017 => "sz",
+        32018 => "fcidecomp",
+        32024 => "sz3",
+        32026 => "blosc2",
+        _ => "",
+    };
+    match (known, filter.name.trim()) {
+        ("", "") => "unregistered filter".to_string(),
+        ("", stored) => stored.to_string(),
+        (known, _) => known.to_string(),
+    }
+}
+
+/// The message for a pipeline libhdf5 cannot decode: which filters, and what to install.
+fn undecodable(missing: &[FilterSpec]) -> String {
+    let names: Vec<String> = missing.iter().map(|f| format!("{} (HDF5 filter id {})", filter_name(f), f.id)).collect();
+    format!(
+        "is compressed with {}, which neither stoker's Rust decoders nor this daemon's libhdf5 can decode; \
+         install the filter plugin (`pip install hdf5plugin` ships blosc2, bitshuffle, bzip2, lz4, zfp, zstd, sz, \
+         sz3 and fcidecomp) and start the daemon with \
+         HDF5_PLUGIN_PATH=$(python -c 'import hdf5plugin; print(hdf5plugin.PLUGIN_PATH)') (docs/operations.md)",
+        names.join(" and ")
+    )
 }

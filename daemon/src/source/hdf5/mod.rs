@@ -611,6 +611,12 @@ fn unsigned(size: IntSize) -> DType {
     }
 }
 
+/// Each filter of `dataset`'s pipeline: its name, id, and who decodes it
+/// here (`"Rust"`, `"libhdf5"`, or `None`: nothing can), for `stoker inspect`.
+pub(crate) fn field_filters(dataset: &hdf5::Dataset) -> Vec<(String, u32, Option<&'static str>)> {
+    field::pipeline(dataset).iter().map(|f| (field::filter_name(f), f.id, field::decoder_of(f))).collect()
+}
+
 /// The in-memory type `H5Dread` converts a field to: the native form of
 /// what [`classify`] returned (an enum stays an enum with the same members,
 /// whose bytes are its base integers; a bitfield stays a native bitfield,
