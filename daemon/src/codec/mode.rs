@@ -266,10 +266,10 @@ mod tests {
 
     #[test]
     fn names_parse_and_bad_ones_say_what_to_use() {
-        assert_eq!(Convert::parse(Some("RGB"), Some("float32")).unwrap().output(&info(DType::U8, 1)), ArrayInfo {
-            dtype: DType::F32,
-            shape: vec![1, 2, 3]
-        });
+        assert_eq!(
+            Convert::parse(Some("RGB"), Some("float32")).unwrap().output(&info(DType::U8, 1)),
+            ArrayInfo { dtype: DType::F32, shape: vec![1, 2, 3] }
+        );
         assert!(Convert::parse(Some("rgb"), None).unwrap_err().to_string().contains("\"RGB\""));
         assert!(Convert::parse(None, Some("int8")).unwrap_err().to_string().contains("float32"));
     }

@@ -138,9 +138,18 @@ fn every_png_color_type_and_depth_is_covered() {
 
 #[test]
 fn parse_names() {
-    assert_eq!("png".parse::<Codec>().unwrap(), Codec { wrap: Wrap::None, format: Format::Png , convert: Default::default() });
-    assert_eq!("lz4+npy".parse::<Codec>().unwrap(), Codec { wrap: Wrap::Lz4, format: Format::Npy , convert: Default::default() });
-    assert_eq!("ZSTD+JPG".parse::<Codec>().unwrap(), Codec { wrap: Wrap::Zstd, format: Format::Jpeg , convert: Default::default() });
+    assert_eq!(
+        "png".parse::<Codec>().unwrap(),
+        Codec { wrap: Wrap::None, format: Format::Png, convert: Default::default() }
+    );
+    assert_eq!(
+        "lz4+npy".parse::<Codec>().unwrap(),
+        Codec { wrap: Wrap::Lz4, format: Format::Npy, convert: Default::default() }
+    );
+    assert_eq!(
+        "ZSTD+JPG".parse::<Codec>().unwrap(),
+        Codec { wrap: Wrap::Zstd, format: Format::Jpeg, convert: Default::default() }
+    );
     assert_eq!("zstd+png".parse::<Codec>().unwrap().to_string(), "zstd+png");
     assert!(matches!("gzip+png".parse::<Codec>(), Err(CodecError::UnknownCodec(_))));
     assert!(matches!("webp".parse::<Codec>(), Err(CodecError::UnknownCodec(_))));

@@ -485,9 +485,7 @@ pub(crate) fn bitfield_size(file_type: &hdf5::Datatype) -> Option<usize> {
     hdf5::sync::sync(|| {
         // SAFETY: the type id is valid while `file_type` lives; both calls
         // only read the type, under hdf5-metno's global lock.
-        unsafe {
-            (H5Tget_class(file_type.id()) == H5T_class_t::H5T_BITFIELD).then(|| H5Tget_size(file_type.id()))
-        }
+        unsafe { (H5Tget_class(file_type.id()) == H5T_class_t::H5T_BITFIELD).then(|| H5Tget_size(file_type.id())) }
     })
 }
 
