@@ -118,9 +118,10 @@ impl<C: Completion, H> HeldUntil<C, H> {
 
 impl<C: Completion, H> Drop for HeldUntil<C, H> {
     fn drop(&mut self) {
-        if self.hold.is_some() && self.done.wait().is_err() {
-            // The context is broken (a device fault): no copy can still be
-            // reading the slot, so releasing it is safe.
+        if self.hold.is_some() {
+            // An error means the context is broken (a device fault): no copy
+            // can still be reading the slot, so releasing it is safe too.
+            let _ = self.done.wait();
         }
         self.hold = None;
     }
@@ -410,7 +411,9 @@ impl Uploader {
 
 impl Drop for Uploader {
     fn drop(&mut self) {
-        // No copy may read a registered range once it is unregistered.
+        // No copy may read a registered range once it is unregistered, and
+        // cuMemHostUnregister needs the context current on this thread.
+        let _ = self.ctx.bind_to_thread();
         let _ = self.stream.synchronize();
         self.registered.clear();
     }

@@ -100,13 +100,11 @@ class _Driver:
         self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), self.dev), "cuDevicePrimaryCtxRetain")
         self.ctx = ctx
         value = ctypes.c_int()
-        self._check(
-            self.lib.cuDeviceGetAttribute(
-                ctypes.byref(value), CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED, self.dev
-            ),
-            "cuDeviceGetAttribute",
+        # A driver too old to know the attribute answers an error: not supported.
+        code = self.lib.cuDeviceGetAttribute(
+            ctypes.byref(value), CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED, self.dev
         )
-        self.read_only_supported = value.value == 1
+        self.read_only_supported = code == 0 and value.value == 1
 
     @staticmethod
     def _check(code: int, call: str) -> None:
@@ -161,6 +159,7 @@ class Uploader:
         #: (pinned uint8 buffer, event of the last copy that read it).
         self.staging: Deque[Tuple[Any, Any]] = collections.deque()
         self.last_register_error = 0
+        self._closed = False
 
     # -- registration ------------------------------------------------------
 
@@ -274,10 +273,14 @@ class Uploader:
             self.registered.clear()
             self.inflight.clear()
             return
+        if self._closed:
+            return
         self.synchronize()
         for start in list(self.registered):
             self.driver.unregister(start)
         self.registered.clear()
+        self.driver.release()
+        self._closed = True
 
     def __del__(self) -> None:
         try:
