@@ -773,8 +773,8 @@ class _CudaEpochIterator:
         current = self._ahead if self._ahead is not None else self._fetch()
         kind, payload, after = current
         if kind == "end":
+            # As without device=: the end of the epoch leaves the step past the last batch.
             self._ahead = current
-            loader._step = after
             raise StopIteration
         self._ahead = self._fetch() if kind == "batch" else None
         loader._step = after
