@@ -63,6 +63,9 @@ def test_cuda_without_a_gpu_raises_a_clear_error_before_connecting(stoker, data,
         assert "device=" in msg and ("is_available() is False" in msg or "without CUDA" in msg), msg
         assert "device=None" in msg, msg
         assert isinstance(err.value, RuntimeError) and isinstance(err.value, stoker.StokerError)
+        again = pickle.loads(pickle.dumps(err.value))
+        assert type(again) is stoker.DeviceUnavailable and str(again) == msg
+    assert stoker.DeviceUnavailable.__module__ == "stoker"
 
 
 def test_device_needs_torch_output_and_a_known_device(stoker, data, tmp_path) -> None:
