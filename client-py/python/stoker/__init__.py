@@ -636,7 +636,8 @@ class Loader:
         state = {
             k: v
             for k, v in self.__dict__.items()
-            if k not in ("_stream", "_info", "_pid", "_iterated", "_warned_repeat", "_generation", "_convert", "_uploader")
+            if k not in ("_stream", "_info", "_pid", "_iterated", "_warned_repeat", "_generation", "_convert")
+            and k != "_uploader"
         }
         return state
 

@@ -69,7 +69,8 @@ class Timeout(StokerError, TimeoutError):
 
 
 class DeviceUnavailable(StokerError, RuntimeError):
-    """``device="cuda..."`` cannot be served here: no CUDA build of torch, no driver, no such GPU (a :class:`RuntimeError`).
+    """``device="cuda..."`` cannot be served here (a :class:`RuntimeError`): no CUDA build of torch,
+    no driver, no such GPU.
 
     A :class:`RuntimeError`, as torch's own "Found no NVIDIA driver" is: the
     argument is a valid device name, the machine lacks what it names. Raised
