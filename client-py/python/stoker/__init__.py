@@ -30,8 +30,10 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import numpy as np
 
 from ._errors import AccessDenied, DaemonUnavailable, DatasetError, LimitError, ProtocolError, StokerError, Timeout
+from ._errors import DeviceUnavailable
 from ._native import DEFAULT_SOCKET, SOCKET_ENV, NativeStream as _NativeStream, __version__
 from ._cli import daemon_binary
+from . import _cuda
 
 __all__ = [
     "Loader",
@@ -46,6 +48,7 @@ __all__ = [
     "LimitError",
     "AccessDenied",
     "Timeout",
+    "DeviceUnavailable",
     "__version__",
     "daemon_binary",
 ]
@@ -380,6 +383,14 @@ class Loader:
     memory (``torch.from_numpy``, no copy). Variable-shape fields come as lists,
     one array or tensor per sample.
 
+    ``device="cuda:N"`` (with ``output="torch"``) yields CUDA tensors: the
+    stream's ring is registered once with the driver and each batch is copied
+    asynchronously on a side stream, one batch ahead, so the copy of the next
+    batch overlaps the use of this one; the current stream waits for the copy
+    by itself. Without a usable GPU it raises :class:`DeviceUnavailable`;
+    ``device=None`` (the default) or ``"cpu"`` yields host tensors. See
+    ``docs/gpu.md``.
+
     The constructor connects and opens the stream, so a missing daemon
     (:class:`DaemonUnavailable`) or a bad dataset (:class:`DatasetError`)
     raises here. A Loader pickles (its configuration and position, not its
@@ -400,6 +411,7 @@ class Loader:
         timeout: Optional[float] = None,
         reconnect: float = 60.0,
         output: str = "numpy",
+        device: Optional[Any] = None,
     ) -> None:
         if isinstance(dataset, str):
             wire = ("name", dataset)
@@ -411,6 +423,8 @@ class Loader:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
         if output not in _OUTPUTS:
             raise ValueError(f"output must be 'numpy' or 'torch', not {output!r}")
+        #: ``"cuda:N"`` or ``None`` (host memory); checked before anything is opened.
+        self.device: Optional[str] = _cuda.resolve_device(device, output)
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be positive seconds or None, not {timeout}")
         self.rank, self.world_size, self.rank_source = _rank_world(rank, world_size)
@@ -441,6 +455,8 @@ class Loader:
         #: Bumped by every iter(): an older iterator refuses to go on.
         self._generation = 0
         self._convert = _torch_converter() if self.output == "torch" else None
+        #: The GPU uploader (``device=``), made at the first iteration in this process.
+        self._uploader: Optional[_cuda.Uploader] = None
 
     def _open(self, epoch: int, step: int) -> _NativeStream:
         return _NativeStream(
@@ -550,6 +566,8 @@ class Loader:
             if self.reconnect <= 0:
                 raise
             self._reconnect(e)
+        if getattr(self, "device", None) is not None:
+            return _CudaEpochIterator(self)  # type: ignore[return-value]
         return _EpochIterator(self)
 
     def state_dict(self) -> Dict[str, Any]:
@@ -598,6 +616,9 @@ class Loader:
 
     def close(self) -> None:
         """Close the stream; its shared memory is freed once no batch of it is referenced."""
+        if getattr(self, "_uploader", None) is not None:
+            self._uploader.close()  # type: ignore[union-attr]
+            self._uploader = None
         if self._stream is not None and self._pid == os.getpid():
             try:
                 self._stream.close()
@@ -616,6 +637,7 @@ class Loader:
             k: v
             for k, v in self.__dict__.items()
             if k not in ("_stream", "_info", "_pid", "_iterated", "_warned_repeat", "_generation", "_convert")
+            and k != "_uploader"
         }
         return state
 
@@ -697,3 +719,67 @@ class _EpochIterator:
         if self._convert is not None:
             return self._convert(batch)
         return batch
+
+
+class _CudaEpochIterator:
+    """One pass over an epoch with ``device=``: batch k+1 is fetched and its
+    copy queued before batch k is handed out, so the copy overlaps the use of
+    batch k. A failure fetching batch k+1 is raised at the next call, after
+    batch k was delivered; ``state_dict`` counts only delivered batches."""
+
+    __slots__ = ("_loader", "_inner", "_generation", "_ahead")
+
+    def __init__(self, loader: Loader) -> None:
+        self._loader = loader
+        self._inner = _EpochIterator(loader)
+        self._inner._convert = None  # numpy views of the slot; the uploader makes the tensors
+        self._generation = loader._generation
+        #: ("batch", (tensors, event), step after) | ("error", exc, step) | ("end", None, step), or None.
+        self._ahead: Optional[Tuple[str, Any, int]] = None
+
+    def __iter__(self) -> "_CudaEpochIterator":
+        return self
+
+    def _uploader(self) -> "_cuda.Uploader":
+        loader = self._loader
+        up = loader._uploader
+        if up is None or up.pid != os.getpid():
+            assert loader.device is not None
+            up = loader._uploader = _cuda.Uploader(loader.device)
+        return up
+
+    def _fetch(self) -> Tuple[str, Any, int]:
+        loader = self._loader
+        delivered = loader._step
+        up = self._uploader()
+        # Keep at most the newest copy in flight while waiting: two slots suffice.
+        up.reap(keep=1)
+        try:
+            batch = next(self._inner)
+        except StopIteration:
+            return ("end", None, loader._step)
+        except Exception as e:  # raised after the batch before it is delivered
+            return ("error", e, loader._step)
+        finally:
+            after, loader._step = loader._step, delivered
+        return ("batch", up.upload(loader._stream, batch), after)
+
+    def __next__(self) -> Dict[str, Any]:
+        loader = self._loader
+        if self._generation != loader._generation:
+            raise RuntimeError(
+                "stoker: this iterator was replaced by a newer iter(loader), which restarted the epoch; "
+                "use the newest iterator"
+            )
+        current = self._ahead if self._ahead is not None else self._fetch()
+        kind, payload, after = current
+        if kind == "end":
+            # As without device=: the end of the epoch leaves the step past the last batch.
+            self._ahead = current
+            raise StopIteration
+        self._ahead = self._fetch() if kind == "batch" else None
+        loader._step = after
+        if kind == "error":
+            raise payload
+        tensors, event = payload
+        return self._uploader().hand_over(tensors, event)
