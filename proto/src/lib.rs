@@ -17,7 +17,7 @@ pub use layout::{
     LayoutError, LayoutLimits, RING_HEADER_BYTES, RING_LAYOUT_VERSION, RING_MAGIC, Ragged, SLOT_ALIGN,
 };
 pub use message::{
-    BatchReady, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, DatasetSkips, DatasetStatus, ErrorKind,
+    BatchReady, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, DatasetSkips, DatasetStatus, ErrorKind, Hdf5Sampling,
     LmdbDataset, LmdbFieldDef, OpenStream, PairDef, Request, Response, StatusReport, StreamInfo, StreamStatus,
     TransformDef, WorkerStatus,
 };
