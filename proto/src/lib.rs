@@ -17,9 +17,9 @@ pub use layout::{
     LayoutError, LayoutLimits, RING_HEADER_BYTES, RING_LAYOUT_VERSION, RING_MAGIC, Ragged, SLOT_ALIGN,
 };
 pub use message::{
-    BatchReady, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, DatasetSkips, DatasetStatus, ErrorKind, Hdf5Sampling,
-    LmdbDataset, LmdbFieldDef, OpenStream, PairDef, Request, Response, StatusReport, StreamInfo, StreamStatus,
-    TransformDef, WorkerStatus,
+    BatchReady, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, DatasetSkips, DatasetStatus, ErrorKind,
+    Hdf5Sampling, LmdbDataset, LmdbFieldDef, OpenStream, PairDef, Request, Response, StatusReport, StreamInfo,
+    StreamStatus, TransformDef, WorkerStatus,
 };
 
 /// Version of the wire protocol; bumped on any incompatible change.

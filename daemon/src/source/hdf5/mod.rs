@@ -433,7 +433,8 @@ impl Hdf5Source {
             return Ok(handle.clone());
         }
         let raw = fsaccess::reopen_same(&file.canonical, file.root.as_deref(), &file.id).map_err(changed)?;
-        let (handle, ..) = open_file(&file.path, raw, &self.spec, &self.roles, self.geometry.as_ref(), &file.cache_ids)?;
+        let (handle, ..) =
+            open_file(&file.path, raw, &self.spec, &self.roles, self.geometry.as_ref(), &file.cache_ids)?;
         let handle = Arc::new(handle);
         *slot = Some(handle.clone());
         drop(slot);
@@ -628,7 +629,9 @@ fn roles(spec: &Hdf5Spec) -> Result<(Vec<Role>, Option<Geometry>), SourceError> 
         })
         .collect();
     if geometry.is_some() && !roles.iter().any(|r| matches!(r, Role::Steps { .. })) {
-        return Err(invalid("a window needs at least one field that is not per_item or constant (the windowed fields)".into()));
+        return Err(invalid(
+            "a window needs at least one field that is not per_item or constant (the windowed fields)".into(),
+        ));
     }
     if !roles.iter().any(|r| *r != Role::Constant) {
         return Err(invalid(
@@ -820,8 +823,7 @@ fn window_too_long(g: &Geometry, time: u64, n_steps_input: Option<u64>) -> Strin
         Some(n_in) => format!(" (n_steps_input {n_in} + n_steps_output {})", g.size - n_in),
         None => String::new(),
     };
-    let spacing =
-        if g.dt_min == 1 { "consecutive".to_string() } else { format!("{} apart (min_dt_stride)", g.dt_min) };
+    let spacing = if g.dt_min == 1 { "consecutive".to_string() } else { format!("{} apart (min_dt_stride)", g.dt_min) };
     format!(
         "has {time} time steps (axis 1), fewer than one window spans: {} steps{split}, {spacing}, span {} steps \
          (window stride {}); no sample fits. Shorten the window or lower the step spacing, or leave this file out",
@@ -892,4 +894,152 @@ fn check_same_fields(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geometry(size: u64, stride: u64, dt_min: u64, dt_max: u64) -> Result<Geometry, SourceError> {
+        Geometry::new(Window { size, stride }, dt_min, dt_max)
+    }
+
+    /// the_well.data.utils.raw_steps_to_possible_sample_t0s.
+    fn well_windows(steps: u64, size: u64, dt: u64) -> u64 {
+        (steps + 1).saturating_sub(1 + dt * (size - 1))
+    }
+
+    #[test]
+    fn windows_match_welldataset() {
+        // The docstring's examples: (T, n_in + n_out, dt) → windows.
+        for (steps, size, dt, expect) in [(5, 2, 1, 4), (5, 2, 2, 3), (5, 2, 3, 2), (5, 3, 2, 1), (5, 3, 3, 0)] {
+            assert_eq!(geometry(size, 1, dt, dt).unwrap().windows(steps), expect, "T={steps} size={size} dt={dt}");
+            assert_eq!(well_windows(steps, size, dt), expect);
+        }
+        for steps in 0..40 {
+            for size in 1..6 {
+                for dt in 1..4 {
+                    let g = geometry(size, 1, dt, dt + 3).unwrap();
+                    assert_eq!(g.windows(steps), well_windows(steps, size, dt));
+                }
+            }
+        }
+        // A start stride k keeps every k-th of those windows.
+        assert_eq!(geometry(4, 2, 1, 1).unwrap().windows(11), 4);
+    }
+
+    #[test]
+    fn drawn_dt_stays_inside_the_item_and_the_range() {
+        for steps in 2..30u64 {
+            for size in 2..5u64 {
+                let g = geometry(size, 1, 1, 5).unwrap();
+                for w in 0..g.windows(steps) {
+                    let t0 = g.start(w);
+                    // the_well.data.utils.maximum_stride_for_initial_index
+                    let top = ((steps - t0 - 1) / (size - 1)).min(5).max(1);
+                    let mut seen = std::collections::BTreeSet::new();
+                    for word in [0, 1 << 20, u64::MAX / 3, u64::MAX / 2, u64::MAX - 1, u64::MAX] {
+                        let dt = g.dt(t0, steps, word);
+                        assert!((1..=top).contains(&dt), "T={steps} size={size} t0={t0}: dt {dt} not in 1..={top}");
+                        assert!(t0 + (size - 1) * dt < steps);
+                        seen.insert(dt);
+                    }
+                    assert!(seen.contains(&1) && seen.contains(&top), "the range's ends are drawn");
+                }
+            }
+        }
+        // Fixed spacing: never drawn.
+        assert_eq!(geometry(3, 1, 2, 2).unwrap().dt(0, 100, u64::MAX), 2);
+    }
+
+    #[test]
+    fn hostile_window_values_are_refused_or_harmless() {
+        assert!(matches!(geometry(0, 1, 1, 1), Err(SourceError::Spec { .. })));
+        assert!(matches!(geometry(3, 0, 1, 1), Err(SourceError::Spec { .. })));
+        assert!(matches!(geometry(3, 1, 0, 1), Err(SourceError::Spec { .. })));
+        assert!(matches!(geometry(3, 1, 4, 2), Err(SourceError::Spec { .. })));
+        let Err(SourceError::Limit(message)) = geometry(3, 1, 1 << 63, 1 << 63) else { panic!("overflow accepted") };
+        assert!(message.contains("3 steps") && message.contains(&(1u64 << 63).to_string()), "{message}");
+        assert!(matches!(geometry(u64::MAX, 1, 2, 2), Err(SourceError::Limit(_))));
+        // Accepted extremes compute without overflow.
+        for (size, stride, lo, hi) in
+            [(u64::MAX, 1, 1, u64::MAX), (1, u64::MAX, u64::MAX, u64::MAX), (2, 1, 1, u64::MAX)]
+        {
+            let g = geometry(size, stride, lo, hi).unwrap();
+            for steps in [0, 1, 2, u64::MAX - 1, u64::MAX] {
+                let windows = g.windows(steps);
+                assert!(windows <= steps);
+                if windows > 0 {
+                    let t0 = g.start(windows - 1);
+                    for word in [0, u64::MAX] {
+                        let dt = g.dt(t0, steps, word);
+                        assert!(dt >= lo && dt <= hi.max(lo));
+                    }
+                }
+            }
+        }
+    }
+
+    fn spec(fields: &[&str], window: Option<Window>, sampling: Hdf5Sampling) -> Hdf5Spec {
+        Hdf5Spec {
+            files: "/x/*.h5".into(),
+            fields: fields.iter().map(|f| (f.to_string(), f.to_string())).collect(),
+            window,
+            per_item: Vec::new(),
+            fast_path: true,
+            sampling,
+        }
+    }
+
+    fn names(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn roles_split_the_window() {
+        let sampling = Hdf5Sampling {
+            n_steps_input: Some(4),
+            input: names(&["x"]),
+            output: names(&["y"]),
+            constant: names(&["c"]),
+            ..Default::default()
+        };
+        let (roles, g) = roles(&spec(&["x", "y", "w", "c"], Some(Window { size: 5, stride: 1 }), sampling)).unwrap();
+        assert_eq!(
+            roles,
+            [
+                Role::Steps { from: 0, count: 4 },
+                Role::Steps { from: 4, count: 1 },
+                Role::Steps { from: 0, count: 5 },
+                Role::Constant
+            ]
+        );
+        assert_eq!(g.map(|g| g.span), Some(5));
+    }
+
+    #[test]
+    fn contradictory_roles_are_refused() {
+        let w = Some(Window { size: 3, stride: 1 });
+        let split = |n_in, input: &[&str], output: &[&str]| Hdf5Sampling {
+            n_steps_input: n_in,
+            input: names(input),
+            output: names(output),
+            ..Default::default()
+        };
+        let refused = |spec: Hdf5Spec, needle: &str| match roles(&spec) {
+            Err(SourceError::Spec { message, .. }) => assert!(message.contains(needle), "{message}"),
+            other => panic!("accepted or wrong error: {other:?}"),
+        };
+        refused(spec(&["x"], w, split(Some(4), &["x"], &[])), "more than the window's 3 steps");
+        refused(spec(&["x", "y"], w, split(Some(3), &["x"], &["y"])), "n_steps_output is 0");
+        refused(spec(&["x"], w, split(None, &["x"], &[])), "no split");
+        refused(spec(&["x"], w, split(Some(1), &[], &[])), "no field is listed");
+        refused(spec(&["x"], w, split(Some(1), &["x"], &["x"])), "one role");
+        refused(spec(&["x"], w, split(Some(1), &["z"], &[])), "not one of the fields");
+        refused(spec(&["x"], None, split(Some(1), &["x"], &[])), "no window");
+        let constant = Hdf5Sampling { constant: names(&["x"]), ..Default::default() };
+        refused(spec(&["x"], None, constant), "every field is constant");
+        let dt = Hdf5Sampling { min_dt_stride: 2, max_dt_stride: 2, ..Default::default() };
+        refused(spec(&["x"], None, dt), "no window");
+    }
 }
