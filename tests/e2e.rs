@@ -242,13 +242,13 @@ fn fuzzed_requests_never_take_the_daemon_down() {
                     window: Some((e, f)),
                     per_item: vec![],
                     // Hostile spacings and splits too: open refuses them, never overflows.
-                    sampling: stoker_client::proto::Hdf5Sampling {
+                    sampling: Box::new(stoker_client::proto::Hdf5Sampling {
                         n_steps_input: Some(f),
                         min_dt_stride: f,
                         max_dt_stride: e,
                         output: vec!["x".into()],
                         ..Default::default()
-                    },
+                    }),
                 },
                 _ => DatasetRef::Named("parts".into()),
             };

@@ -121,9 +121,9 @@ fn dataset_ref(spec: &Bound<'_, PyTuple>) -> PyResult<DatasetRef> {
             sampling: match spec.len() > 5 {
                 true => {
                     let json: String = spec.get_item(5)?.extract()?;
-                    serde_json::from_str(&json).map_err(|e| {
+                    Box::new(serde_json::from_str(&json).map_err(|e| {
                         pyo3::exceptions::PyValueError::new_err(format!("invalid HDF5 sampling spec: {e}"))
-                    })?
+                    })?)
                 }
                 false => Default::default(),
             },

@@ -277,7 +277,7 @@ impl Datasets {
                     window: window.map(|(size, stride)| Window { size, stride }),
                     per_item: per_item.clone(),
                     fast_path: self.settings().hdf5_fast_path,
-                    sampling: sampling.clone(),
+                    sampling: sampling.as_ref().clone(),
                 };
                 Ok((files.clone(), Resolved::Hdf5(spec)))
             }

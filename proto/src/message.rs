@@ -116,8 +116,9 @@ pub enum DatasetRef {
         window: Option<(u64, u64)>,
         /// Fields delivered whole per item when windowed.
         per_item: Vec<String>,
-        /// Split windows, step spacing inside a window, constant fields (The Well's sampling).
-        sampling: Hdf5Sampling,
+        /// Split windows, step spacing inside a window, constant fields (The
+        /// Well's sampling); boxed to keep requests small.
+        sampling: Box<Hdf5Sampling>,
     },
     /// LMDB environments, each field a value codec plus transforms.
     Lmdb(LmdbDataset),
@@ -572,7 +573,7 @@ mod fuzz {
                 fields: vec![("x".into(), "x".into())],
                 window: Some((batch_size, step)),
                 per_item: vec![],
-                sampling: Hdf5Sampling::default(),
+                sampling: Box::default(),
             },
             batch_size,
             shuffle: true,

@@ -936,7 +936,7 @@ mod tests {
                 for w in 0..g.windows(steps) {
                     let t0 = g.start(w);
                     // the_well.data.utils.maximum_stride_for_initial_index
-                    let top = ((steps - t0 - 1) / (size - 1)).min(5).max(1);
+                    let top = ((steps - t0 - 1) / (size - 1)).clamp(1, 5);
                     let mut seen = std::collections::BTreeSet::new();
                     for word in [0, 1 << 20, u64::MAX / 3, u64::MAX / 2, u64::MAX - 1, u64::MAX] {
                         let dt = g.dt(t0, steps, word);
