@@ -65,10 +65,40 @@ class Hdf5Spec:
     fields: Mapping[str, str] = field(default_factory=dict)
     window: Optional[Tuple[int, int]] = None
     per_item: Tuple[str, ...] = ()
+    #: The Well's sampling (``stoker_proto::Hdf5Sampling`` as JSON), or None.
+    sampling: Optional[str] = None
 
     def _wire(self) -> tuple:
         fields = [(str(k), str(v)) for k, v in self.fields.items()]
-        return ("hdf5", self.files, fields, self.window, list(self.per_item))
+        wire = ("hdf5", self.files, fields, self.window, list(self.per_item))
+        return wire if self.sampling is None else wire + (self.sampling,)
+
+
+_WINDOW_KEYS = {"size", "stride", "n_steps_input", "n_steps_output", "dt_stride", "min_dt_stride", "max_dt_stride"}
+
+
+def _window(window: Mapping[str, int]) -> Tuple[Tuple[int, int], Optional[int], Tuple[int, int]]:
+    """``(size, stride)``, ``n_steps_input`` (None without a split) and ``(min_dt_stride, max_dt_stride)``."""
+    w = {k: int(v) for k, v in window.items()}
+    unknown = set(w) - _WINDOW_KEYS
+    split = "n_steps_input" in w or "n_steps_output" in w
+    if unknown or ("size" in w) == split or (split and not {"n_steps_input", "n_steps_output"} <= set(w)):
+        raise ValueError(
+            "window takes 'size' or both 'n_steps_input' and 'n_steps_output', optionally 'stride' and "
+            f"'dt_stride' or 'min_dt_stride'/'max_dt_stride'; got {dict(window)!r}"
+        )
+    if "dt_stride" in w and ("min_dt_stride" in w or "max_dt_stride" in w):
+        raise ValueError(f"give either dt_stride or min_dt_stride/max_dt_stride, not both; got {dict(window)!r}")
+    size = w["size"] if "size" in w else w["n_steps_input"] + w["n_steps_output"]
+    if max(size, *w.values()) >= 2**64:
+        raise ValueError(f"window values (and n_steps_input + n_steps_output) must fit in 64 bits, got {dict(window)!r}")
+    if min(w.values()) < 0 or size < 1 or w.get("stride", 1) < 1:
+        raise ValueError(f"window size and stride must be at least 1 (and no value negative), got {dict(window)!r}")
+    dt_min = w.get("dt_stride", w.get("min_dt_stride", 1))
+    dt_max = w.get("dt_stride", w.get("max_dt_stride", dt_min))
+    if dt_min < 1 or dt_max < dt_min:
+        raise ValueError(f"the step spacing must be at least 1 and max_dt_stride at least min_dt_stride, got {dict(window)!r}")
+    return (size, w.get("stride", 1)), w.get("n_steps_input"), (dt_min, dt_max)
 
 
 def hdf5(
@@ -76,6 +106,10 @@ def hdf5(
     fields: Mapping[str, str],
     window: Optional[Mapping[str, int]] = None,
     per_item: Sequence[str] = (),
+    *,
+    input: Sequence[str] = (),
+    output: Sequence[str] = (),
+    constant: Sequence[str] = (),
 ) -> Hdf5Spec:
     """Describe an HDF5 dataset for :class:`Loader`.
 
@@ -89,25 +123,43 @@ def hdf5(
     ``field[item, start:start + s]``; fields named in ``per_item`` are
     delivered whole, ``field[item]`` (per-trajectory constants, say).
 
+    The Well's sampling (see ``docs/the-well.md``): ``window={"n_steps_input":
+    a, "n_steps_output": b}`` takes windows of ``a + b`` steps; fields named in
+    ``input`` get the first ``a`` steps, fields in ``output`` the next ``b``
+    (map one HDF5 path to two field names to get both). ``"dt_stride": k``
+    spaces a window's steps ``k`` apart; ``"min_dt_stride"``/``"max_dt_stride"``
+    draw the spacing per sample (deterministic in seed, epoch and index), with
+    windows per item counted at ``min_dt_stride`` as ``WellDataset`` counts
+    them. ``constant`` fields have no item axis (``t0_fields/x`` shaped
+    ``[x, y]``, a scalar): every sample gets the whole dataset of its file.
+
     The daemon only serves ad-hoc datasets under its configured ``allowed_roots``.
     """
     files = os.path.abspath(os.fspath(files))
     if not fields:
         raise ValueError("fields must map at least one field name to an HDF5 dataset path")
-    win = None
+    win, n_in, (dt_min, dt_max) = None, None, (1, 1)
     if window is not None:
-        unknown = set(window) - {"size", "stride"}
-        if unknown or "size" not in window:
-            raise ValueError(f"window takes 'size' and optionally 'stride', got {dict(window)!r}")
-        win = (int(window["size"]), int(window.get("stride", 1)))
-        if win[0] < 1 or win[1] < 1:
-            raise ValueError(f"window size and stride must be at least 1, got {win}")
-    elif per_item:
-        raise ValueError("per_item needs a window: without one every field is delivered per item")
-    missing = [f for f in per_item if f not in fields]
-    if missing:
-        raise ValueError(f"per_item names {missing}, which are not in fields")
-    return Hdf5Spec(files, dict(fields), win, tuple(per_item))
+        win, n_in, (dt_min, dt_max) = _window(window)
+    elif per_item or input or output:
+        raise ValueError("per_item, input and output need a window: without one every field is delivered per item")
+    for name, names in (("per_item", per_item), ("input", input), ("output", output), ("constant", constant)):
+        missing = [f for f in names if f not in fields]
+        if missing:
+            raise ValueError(f"{name} names {missing}, which are not in fields")
+    sampling = None
+    if n_in is not None or (dt_min, dt_max) != (1, 1) or input or output or constant:
+        sampling = json.dumps(
+            {
+                "n_steps_input": n_in,
+                "min_dt_stride": dt_min,
+                "max_dt_stride": dt_max,
+                "input": [str(f) for f in input],
+                "output": [str(f) for f in output],
+                "constant": [str(f) for f in constant],
+            }
+        )
+    return Hdf5Spec(files, dict(fields), win, tuple(per_item), sampling)
 
 
 @dataclass(frozen=True)
