@@ -156,7 +156,7 @@ def fuzz(binary: str, work: Path, connections: int) -> dict:
     data = work / "fuzz" / "d.h5"
     write_h5(data, 256)
     rng = random.Random(7)
-    hello = b"\x00\x02\x04fuzz\x00"
+    hello = b"\x00\x04\x04fuzz\x00"  # Hello, protocol 4, client "fuzz", no job
     with Daemon(binary, work / "fuzz-daemon", work, threads=2, depth=4) as d:
         import socket
 
@@ -175,8 +175,8 @@ def fuzz(binary: str, work: Path, connections: int) -> dict:
                         frame = struct.pack("<I", len(body)) + body
                     elif kind < 0.6:  # a valid-looking header with a hostile length
                         frame = struct.pack("<I", rng.choice([0, 1 << 20, (1 << 32) - 1, rng.getrandbits(32)]))
-                    elif kind < 0.8:  # Next / Release / SetEpoch with random ids
-                        v = rng.choice([2, 3, 4, 7])
+                    elif kind < 0.8:  # Next / Release / SetEpoch / Close / Wake / Fetch / Segment, random ids
+                        v = rng.choice([2, 3, 4, 7, 8, 9, 10])
                         body = bytes([v]) + bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 20)))
                         frame = struct.pack("<I", len(body)) + body
                     else:

@@ -9,6 +9,10 @@ scripts/setup.sh
 echo "==> cargo test"
 STOKER_PYTHON="$PWD/.venv/bin/python" STOKER_REQUIRE_PYTHON=1 cargo test --release --locked --workspace --exclude stoker-py
 
+echo "==> cargo test -p stoker-client --features cuda (builds without CUDA; GPU work needs a GPU)"
+cargo clippy --release --locked -p stoker-client --features cuda --all-targets -- -D warnings
+cargo test --release --locked -p stoker-client --features cuda --lib cuda
+
 echo "==> pytest"
 set +e
 STOKER_BIN="$PWD/target/release/stoker" .venv/bin/python -m pytest -q client-py/tests "$@"

@@ -181,6 +181,7 @@ fn bad_dataset_names_the_file_and_field_and_the_daemon_keeps_serving() {
             fields: vec![("y".into(), "missing/path".into())],
             window: None,
             per_item: vec![],
+            sampling: Default::default(),
         },
         ..open(4, 0, 1, false)
     };
@@ -240,6 +241,14 @@ fn fuzzed_requests_never_take_the_daemon_down() {
                     fields: vec![("x".into(), "x".into())],
                     window: Some((e, f)),
                     per_item: vec![],
+                    // Hostile spacings and splits too: open refuses them, never overflows.
+                    sampling: Box::new(stoker_client::proto::Hdf5Sampling {
+                        n_steps_input: Some(f),
+                        min_dt_stride: f,
+                        max_dt_stride: e,
+                        output: vec!["x".into()],
+                        ..Default::default()
+                    }),
                 },
                 _ => DatasetRef::Named("parts".into()),
             };

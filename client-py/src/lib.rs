@@ -106,7 +106,8 @@ fn typenum(dtype: DType) -> c_int {
     t as c_int
 }
 
-/// Extracts `("name", NAME)`, `("hdf5", GLOB, [(field, path), ...], (size, stride) | None, [per_item...])`
+/// Extracts `("name", NAME)`, `("hdf5", GLOB, [(field, path), ...], (size, stride) | None, [per_item...][, SAMPLING])`
+/// (SAMPLING: JSON of `stoker_proto::Hdf5Sampling`)
 /// or `("lmdb", JSON)` (JSON of `stoker_proto::LmdbDataset`, built by `stoker.lmdb`).
 fn dataset_ref(spec: &Bound<'_, PyTuple>) -> PyResult<DatasetRef> {
     let kind: String = spec.get_item(0)?.extract()?;
@@ -117,6 +118,15 @@ fn dataset_ref(spec: &Bound<'_, PyTuple>) -> PyResult<DatasetRef> {
             fields: spec.get_item(2)?.extract()?,
             window: spec.get_item(3)?.extract()?,
             per_item: spec.get_item(4)?.extract()?,
+            sampling: match spec.len() > 5 {
+                true => {
+                    let json: String = spec.get_item(5)?.extract()?;
+                    Box::new(serde_json::from_str(&json).map_err(|e| {
+                        pyo3::exceptions::PyValueError::new_err(format!("invalid HDF5 sampling spec: {e}"))
+                    })?)
+                }
+                false => Default::default(),
+            },
         }),
         "lmdb" => {
             let json: String = spec.get_item(1)?.extract()?;

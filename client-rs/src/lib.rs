@@ -6,10 +6,15 @@
 //! next batch and returns a [`Batch`]: typed views straight into the shared
 //! slot. Dropping the last clone of a batch gives its slot back to the daemon.
 //!
+//! With the `cuda` feature, `cuda::Uploader` copies batches to a GPU
+//! straight from the ring (see `docs/gpu.md`).
+//!
 //! Every call blocks the calling thread; waits for a batch can be cut short by
 //! a caller-supplied check (Python uses it to answer Ctrl-C).
 
 mod conn;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod mapping;
 
 use std::collections::HashMap;

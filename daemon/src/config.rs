@@ -239,17 +239,113 @@ pub struct Hdf5DatasetConfig {
     /// With a window, fields delivered whole per item (`field[item]`), e.g. per-trajectory constants.
     #[serde(default)]
     pub per_item: Vec<String>,
+    /// With a split window, the fields that take its first `n_steps_input` steps.
+    #[serde(default)]
+    pub input: Vec<String>,
+    /// With a split window, the fields that take its last `n_steps_output` steps.
+    #[serde(default)]
+    pub output: Vec<String>,
+    /// Fields without the item axis (The Well's `sample_varying = False`
+    /// constants), delivered whole with every sample of their file.
+    #[serde(default)]
+    pub constant: Vec<String>,
 }
 
-/// A dataset's `window = { size, stride }`.
+impl Hdf5DatasetConfig {
+    /// The source spec this table describes (checked by [`Config::validate`]).
+    pub fn spec(&self, fast_path: bool) -> crate::source::hdf5::Hdf5Spec {
+        let (min_dt_stride, max_dt_stride) = self.window.map_or((1, 1), |w| w.dt_strides());
+        crate::source::hdf5::Hdf5Spec {
+            files: self.files.clone(),
+            fields: self.fields.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            window: self.window.map(|w| w.window()),
+            per_item: self.per_item.clone(),
+            fast_path,
+            sampling: stoker_proto::Hdf5Sampling {
+                n_steps_input: self.window.and_then(|w| w.n_steps_input),
+                min_dt_stride,
+                max_dt_stride,
+                input: self.input.clone(),
+                output: self.output.clone(),
+                constant: self.constant.clone(),
+            },
+        }
+    }
+}
+
+/// A dataset's `window = { size, stride }`, or The Well's
+/// `{ n_steps_input, n_steps_output, dt_stride | min_dt_stride, max_dt_stride }`.
 #[derive(Debug, Clone, Copy, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WindowConfig {
-    /// Consecutive steps per sample.
-    pub size: u64,
+    /// Steps per sample (or give `n_steps_input` and `n_steps_output`).
+    pub size: Option<u64>,
     /// Steps between the starts of consecutive samples.
     #[serde(default = "one")]
     pub stride: u64,
+    /// Steps of each window delivered to the `input` fields (The Well's `n_steps_input`).
+    pub n_steps_input: Option<u64>,
+    /// Steps after those delivered to the `output` fields (The Well's `n_steps_output`).
+    pub n_steps_output: Option<u64>,
+    /// Fixed spacing of the steps inside a window (default 1: consecutive).
+    pub dt_stride: Option<u64>,
+    /// Smallest spacing when each sample draws its own (The Well's `min_dt_stride`).
+    pub min_dt_stride: Option<u64>,
+    /// Largest spacing when each sample draws its own (The Well's `max_dt_stride`).
+    pub max_dt_stride: Option<u64>,
+}
+
+impl WindowConfig {
+    /// The window: `size`, else `n_steps_input + n_steps_output` (saturating;
+    /// [`WindowConfig::problem`] refuses an overflow).
+    pub fn window(&self) -> crate::source::hdf5::Window {
+        let split = self.n_steps_input.unwrap_or(0).saturating_add(self.n_steps_output.unwrap_or(0));
+        crate::source::hdf5::Window { size: self.size.unwrap_or(split), stride: self.stride }
+    }
+
+    /// `(min_dt_stride, max_dt_stride)`: `dt_stride` for both, else the range (each defaulting to the other, then 1).
+    pub fn dt_strides(&self) -> (u64, u64) {
+        match (self.dt_stride, self.min_dt_stride, self.max_dt_stride) {
+            (Some(dt), ..) => (dt, dt),
+            (None, min, max) => {
+                let min = min.unwrap_or(1);
+                (min, max.unwrap_or(min))
+            }
+        }
+    }
+
+    /// What is wrong with the table, if anything.
+    fn problem(&self) -> Option<String> {
+        let split = (self.n_steps_input, self.n_steps_output);
+        if self.size.is_some() && split != (None, None) {
+            return Some("give either size or n_steps_input and n_steps_output, not both".into());
+        }
+        if self.size.is_none() && (split.0.is_none() || split.1.is_none()) {
+            return Some(
+                "needs size = N, or n_steps_input and n_steps_output (e.g. { n_steps_input = 4, n_steps_output = 1 })"
+                    .into(),
+            );
+        }
+        if let (Some(a), Some(b)) = split
+            && a.checked_add(b).is_none()
+        {
+            return Some(format!("n_steps_input {a} + n_steps_output {b} overflows 64 bits"));
+        }
+        let size = self.window().size;
+        if size == 0 || self.stride == 0 {
+            return Some(format!("size = {size} and stride = {} must both be at least 1", self.stride));
+        }
+        if self.dt_stride.is_some() && (self.min_dt_stride.is_some() || self.max_dt_stride.is_some()) {
+            return Some("give either dt_stride or min_dt_stride/max_dt_stride, not both".into());
+        }
+        let (min, max) = self.dt_strides();
+        if min == 0 || max < min {
+            return Some(format!(
+                "step spacing min_dt_stride = {min}, max_dt_stride = {max}: both at least 1, max at least min"
+            ));
+        }
+        None
+    }
 }
 
 fn one() -> u64 {
@@ -395,14 +491,16 @@ impl Config {
                     format!("[datasets.{name}] files = {:?} must be an absolute path or glob", ds.files),
                 );
             }
-            if let Some(w) = ds.window.filter(|w| w.size == 0 || w.stride == 0) {
-                problem(
-                    &["datasets", name, "window"],
-                    format!(
-                        "[datasets.{name}] window size = {} and stride = {} must both be at least 1",
-                        w.size, w.stride
-                    ),
-                );
+            if let Some(message) = ds.window.and_then(|w| w.problem()) {
+                problem(&["datasets", name, "window"], format!("[datasets.{name}] window {message}"));
+            }
+            for (key, names) in [("input", &ds.input), ("output", &ds.output), ("constant", &ds.constant)] {
+                if let Some(unknown) = names.iter().find(|f| !ds.fields.contains_key(*f)) {
+                    problem(
+                        &["datasets", name, key],
+                        format!("[datasets.{name}] {key} names {unknown:?}, which is not in fields"),
+                    );
+                }
             }
             if let Some(unknown) = ds.per_item.iter().find(|f| !ds.fields.contains_key(*f)) {
                 problem(
@@ -620,14 +718,8 @@ impl Config {
     /// Opens an HDF5 dataset's files and fields; the problem and the key it is about.
     fn check_hdf5(&self, ds: &Hdf5DatasetConfig) -> Option<(Vec<String>, String)> {
         use crate::source::SourceError;
-        use crate::source::hdf5::{self, Hdf5Source, Hdf5Spec, OpenFiles, Window};
-        let spec = Hdf5Spec {
-            files: ds.files.clone(),
-            fields: ds.fields.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-            window: ds.window.map(|w| Window { size: w.size, stride: w.stride }),
-            per_item: ds.per_item.clone(),
-            fast_path: self.hdf5.fast_path,
-        };
+        use crate::source::hdf5::{self, Hdf5Source, OpenFiles};
+        let spec = ds.spec(self.hdf5.fast_path);
         let opened = hdf5::check_files(&spec, None).and_then(|files| {
             let cache = std::sync::Arc::new(crate::cache::ChunkCache::new(0));
             Hdf5Source::open(&spec, files, cache, OpenFiles::new(self.limits.max_open_files))

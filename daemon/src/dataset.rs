@@ -182,7 +182,10 @@ impl Datasets {
                     format: "hdf5".into(),
                     files: ds.files.clone(),
                     fields: ds.fields.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-                    window: ds.window.map(|w| (w.size, w.stride)),
+                    window: ds.window.map(|w| {
+                        let w = w.window();
+                        (w.size, w.stride)
+                    }),
                     per_item: ds.per_item.clone(),
                     skipped: skipped(name),
                 },
@@ -257,7 +260,7 @@ impl Datasets {
                     ))
                 }
             },
-            DatasetRef::Hdf5 { files, fields, window, per_item } => {
+            DatasetRef::Hdf5 { files, fields, window, per_item, sampling } => {
                 self.check_ad_hoc()?;
                 if !Path::new(files).is_absolute() {
                     return Err((ErrorKind::Dataset, format!("ad-hoc dataset path {files:?} must be absolute")));
@@ -274,6 +277,7 @@ impl Datasets {
                     window: window.map(|(size, stride)| Window { size, stride }),
                     per_item: per_item.clone(),
                     fast_path: self.settings().hdf5_fast_path,
+                    sampling: sampling.as_ref().clone(),
                 };
                 Ok((files.clone(), Resolved::Hdf5(spec)))
             }
@@ -298,13 +302,7 @@ impl Datasets {
     }
 
     fn hdf5_named(&self, ds: &Hdf5DatasetConfig) -> Hdf5Spec {
-        Hdf5Spec {
-            files: ds.files.clone(),
-            fields: ds.fields.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-            window: ds.window.map(|w| Window { size: w.size, stride: w.stride }),
-            per_item: ds.per_item.clone(),
-            fast_path: self.settings().hdf5_fast_path,
-        }
+        ds.spec(self.settings().hdf5_fast_path)
     }
 }
 

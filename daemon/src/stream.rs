@@ -528,8 +528,9 @@ impl Stream {
         st.generation += 1;
         // The budgets count what open streams hold: a closed stream's memory
         // is the client's once its last view is gone.
-        for slot in &mut st.slots {
-            slot.segment = None;
+        let depth = self.shm.ring.depth() as usize;
+        for slot in st.slots.iter_mut().skip(depth) {
+            *slot = Slot { state: SlotState::Absent, segment: None };
         }
         drop(st);
         self.shm.reserved.lock().unwrap_or_else(|e| e.into_inner()).clear();
@@ -765,10 +766,14 @@ impl Stream {
         let mut st = self.lock();
         let current = st.generation == generation && !st.closed;
         if !current {
-            st.slots[id].state = SlotState::Free;
-            if st.slots[id].segment.as_ref().is_some_and(|s| s.oversize) {
-                st.slots[id] = Slot { state: SlotState::Absent, segment: None };
-            }
+            // An extra whose segment is gone (oversized, or the stream closed) stays gone.
+            let extra = id >= self.shm.ring.depth() as usize;
+            let keep = st.slots[id].segment.as_ref().is_some_and(|s| !s.oversize);
+            st.slots[id] = if extra && !keep {
+                Slot { state: SlotState::Absent, segment: None }
+            } else {
+                Slot { state: SlotState::Free, segment: st.slots[id].segment.take() }
+            };
             self.advance(&mut st);
             return;
         }

@@ -18,8 +18,8 @@ pub use layout::{
 };
 pub use message::{
     BatchReady, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, DatasetSkips, DatasetStatus, ErrorKind,
-    LmdbDataset, LmdbFieldDef, OpenStream, PairDef, Request, Response, StatusReport, StreamInfo, StreamStatus,
-    TransformDef, WorkerStatus,
+    Hdf5Sampling, LmdbDataset, LmdbFieldDef, OpenStream, PairDef, Request, Response, StatusReport, StreamInfo,
+    StreamStatus, TransformDef, WorkerStatus,
 };
 
 /// Version of the wire protocol; bumped on any incompatible change.

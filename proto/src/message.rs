@@ -116,9 +116,56 @@ pub enum DatasetRef {
         window: Option<(u64, u64)>,
         /// Fields delivered whole per item when windowed.
         per_item: Vec<String>,
+        /// Split windows, step spacing inside a window, constant fields (The
+        /// Well's sampling); boxed to keep requests small.
+        sampling: Box<Hdf5Sampling>,
     },
     /// LMDB environments, each field a value codec plus transforms.
     Lmdb(LmdbDataset),
+}
+
+/// How an HDF5 dataset's samples are taken beyond a plain window: The Well's
+/// `n_steps_input`/`n_steps_output` split, `min_dt_stride`/`max_dt_stride`,
+/// and fields without the item axis. `Default` is none of these.
+///
+/// A window of `size` steps (`size = n_steps_input + n_steps_output`) takes
+/// steps `t0, t0 + dt, …, t0 + (size - 1)·dt` of its item; `input` fields get
+/// the first `n_steps_input` of them, `output` fields the rest, other windowed
+/// fields all of them. Windows per item are counted with `min_dt_stride`
+/// (as The Well's `WellDataset` does); with `max_dt_stride > min_dt_stride`
+/// each sample draws its `dt` uniformly from `min_dt_stride` to the largest
+/// spacing that still fits its start (capped at `max_dt_stride`),
+/// deterministically in (seed, epoch, index).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Hdf5Sampling {
+    /// Steps of each window (its first ones) delivered to the `input` fields;
+    /// the remaining `size - n_steps_input` go to the `output` fields. `None`: no split.
+    pub n_steps_input: Option<u64>,
+    /// Smallest spacing of the steps inside a window (1: consecutive steps).
+    pub min_dt_stride: u64,
+    /// Largest spacing; equal to `min_dt_stride` for a fixed spacing.
+    pub max_dt_stride: u64,
+    /// Windowed fields that deliver the window's first `n_steps_input` steps.
+    pub input: Vec<String>,
+    /// Windowed fields that deliver the window's last `size - n_steps_input` steps.
+    pub output: Vec<String>,
+    /// Fields without the item axis (The Well's `sample_varying = False`
+    /// constants): each sample gets the whole dataset of its file.
+    pub constant: Vec<String>,
+}
+
+impl Default for Hdf5Sampling {
+    fn default() -> Self {
+        Hdf5Sampling {
+            n_steps_input: None,
+            min_dt_stride: 1,
+            max_dt_stride: 1,
+            input: Vec::new(),
+            output: Vec::new(),
+            constant: Vec::new(),
+        }
+    }
 }
 
 /// An LMDB dataset: the same keys in one or more environments, one field per
@@ -531,6 +578,7 @@ mod fuzz {
                 fields: vec![("x".into(), "x".into())],
                 window: Some((batch_size, step)),
                 per_item: vec![],
+                sampling: Box::default(),
             },
             batch_size,
             shuffle: true,

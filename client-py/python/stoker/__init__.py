@@ -30,8 +30,10 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import numpy as np
 
 from ._errors import AccessDenied, DaemonUnavailable, DatasetError, LimitError, ProtocolError, StokerError, Timeout
+from ._errors import DeviceUnavailable
 from ._native import DEFAULT_SOCKET, SOCKET_ENV, NativeStream as _NativeStream, __version__
 from ._cli import daemon_binary
+from . import _cuda
 
 __all__ = [
     "Loader",
@@ -46,6 +48,7 @@ __all__ = [
     "LimitError",
     "AccessDenied",
     "Timeout",
+    "DeviceUnavailable",
     "__version__",
     "daemon_binary",
 ]
@@ -62,10 +65,40 @@ class Hdf5Spec:
     fields: Mapping[str, str] = field(default_factory=dict)
     window: Optional[Tuple[int, int]] = None
     per_item: Tuple[str, ...] = ()
+    #: The Well's sampling (``stoker_proto::Hdf5Sampling`` as JSON), or None.
+    sampling: Optional[str] = None
 
     def _wire(self) -> tuple:
         fields = [(str(k), str(v)) for k, v in self.fields.items()]
-        return ("hdf5", self.files, fields, self.window, list(self.per_item))
+        wire = ("hdf5", self.files, fields, self.window, list(self.per_item))
+        return wire if self.sampling is None else wire + (self.sampling,)
+
+
+_WINDOW_KEYS = {"size", "stride", "n_steps_input", "n_steps_output", "dt_stride", "min_dt_stride", "max_dt_stride"}
+
+
+def _window(window: Mapping[str, int]) -> Tuple[Tuple[int, int], Optional[int], Tuple[int, int]]:
+    """``(size, stride)``, ``n_steps_input`` (None without a split) and ``(min_dt_stride, max_dt_stride)``."""
+    w = {k: int(v) for k, v in window.items()}
+    unknown = set(w) - _WINDOW_KEYS
+    split = "n_steps_input" in w or "n_steps_output" in w
+    if unknown or ("size" in w) == split or (split and not {"n_steps_input", "n_steps_output"} <= set(w)):
+        raise ValueError(
+            "window takes 'size' or both 'n_steps_input' and 'n_steps_output', optionally 'stride' and "
+            f"'dt_stride' or 'min_dt_stride'/'max_dt_stride'; got {dict(window)!r}"
+        )
+    if "dt_stride" in w and ("min_dt_stride" in w or "max_dt_stride" in w):
+        raise ValueError(f"give either dt_stride or min_dt_stride/max_dt_stride, not both; got {dict(window)!r}")
+    size = w["size"] if "size" in w else w["n_steps_input"] + w["n_steps_output"]
+    if max(size, *w.values()) >= 2**64:
+        raise ValueError(f"window values (and n_steps_input + n_steps_output) must fit in 64 bits, got {dict(window)!r}")
+    if min(w.values()) < 0 or size < 1 or w.get("stride", 1) < 1:
+        raise ValueError(f"window size and stride must be at least 1 (and no value negative), got {dict(window)!r}")
+    dt_min = w.get("dt_stride", w.get("min_dt_stride", 1))
+    dt_max = w.get("dt_stride", w.get("max_dt_stride", dt_min))
+    if dt_min < 1 or dt_max < dt_min:
+        raise ValueError(f"the step spacing must be at least 1 and max_dt_stride at least min_dt_stride, got {dict(window)!r}")
+    return (size, w.get("stride", 1)), w.get("n_steps_input"), (dt_min, dt_max)
 
 
 def hdf5(
@@ -73,6 +106,10 @@ def hdf5(
     fields: Mapping[str, str],
     window: Optional[Mapping[str, int]] = None,
     per_item: Sequence[str] = (),
+    *,
+    input: Sequence[str] = (),
+    output: Sequence[str] = (),
+    constant: Sequence[str] = (),
 ) -> Hdf5Spec:
     """Describe an HDF5 dataset for :class:`Loader`.
 
@@ -86,25 +123,43 @@ def hdf5(
     ``field[item, start:start + s]``; fields named in ``per_item`` are
     delivered whole, ``field[item]`` (per-trajectory constants, say).
 
+    The Well's sampling (see ``docs/the-well.md``): ``window={"n_steps_input":
+    a, "n_steps_output": b}`` takes windows of ``a + b`` steps; fields named in
+    ``input`` get the first ``a`` steps, fields in ``output`` the next ``b``
+    (map one HDF5 path to two field names to get both). ``"dt_stride": k``
+    spaces a window's steps ``k`` apart; ``"min_dt_stride"``/``"max_dt_stride"``
+    draw the spacing per sample (deterministic in seed, epoch and index), with
+    windows per item counted at ``min_dt_stride`` as ``WellDataset`` counts
+    them. ``constant`` fields have no item axis (``t0_fields/x`` shaped
+    ``[x, y]``, a scalar): every sample gets the whole dataset of its file.
+
     The daemon only serves ad-hoc datasets under its configured ``allowed_roots``.
     """
     files = os.path.abspath(os.fspath(files))
     if not fields:
         raise ValueError("fields must map at least one field name to an HDF5 dataset path")
-    win = None
+    win, n_in, (dt_min, dt_max) = None, None, (1, 1)
     if window is not None:
-        unknown = set(window) - {"size", "stride"}
-        if unknown or "size" not in window:
-            raise ValueError(f"window takes 'size' and optionally 'stride', got {dict(window)!r}")
-        win = (int(window["size"]), int(window.get("stride", 1)))
-        if win[0] < 1 or win[1] < 1:
-            raise ValueError(f"window size and stride must be at least 1, got {win}")
-    elif per_item:
-        raise ValueError("per_item needs a window: without one every field is delivered per item")
-    missing = [f for f in per_item if f not in fields]
-    if missing:
-        raise ValueError(f"per_item names {missing}, which are not in fields")
-    return Hdf5Spec(files, dict(fields), win, tuple(per_item))
+        win, n_in, (dt_min, dt_max) = _window(window)
+    elif per_item or input or output:
+        raise ValueError("per_item, input and output need a window: without one every field is delivered per item")
+    for name, names in (("per_item", per_item), ("input", input), ("output", output), ("constant", constant)):
+        missing = [f for f in names if f not in fields]
+        if missing:
+            raise ValueError(f"{name} names {missing}, which are not in fields")
+    sampling = None
+    if n_in is not None or (dt_min, dt_max) != (1, 1) or input or output or constant:
+        sampling = json.dumps(
+            {
+                "n_steps_input": n_in,
+                "min_dt_stride": dt_min,
+                "max_dt_stride": dt_max,
+                "input": [str(f) for f in input],
+                "output": [str(f) for f in output],
+                "constant": [str(f) for f in constant],
+            }
+        )
+    return Hdf5Spec(files, dict(fields), win, tuple(per_item), sampling)
 
 
 @dataclass(frozen=True)
@@ -386,6 +441,14 @@ class Loader:
     memory (``torch.from_numpy``, no copy). Variable-shape fields come as lists,
     one array or tensor per sample.
 
+    ``device="cuda:N"`` (with ``output="torch"``) yields CUDA tensors: the
+    stream's ring is registered once with the driver and each batch is copied
+    asynchronously on a side stream, one batch ahead, so the copy of the next
+    batch overlaps the use of this one; the current stream waits for the copy
+    by itself. Without a usable GPU it raises :class:`DeviceUnavailable`;
+    ``device=None`` (the default) or ``"cpu"`` yields host tensors. See
+    ``docs/gpu.md``.
+
     The constructor connects and opens the stream, so a missing daemon
     (:class:`DaemonUnavailable`) or a bad dataset (:class:`DatasetError`)
     raises here. A Loader pickles (its configuration and position, not its
@@ -406,6 +469,7 @@ class Loader:
         timeout: Optional[float] = None,
         reconnect: float = 60.0,
         output: str = "numpy",
+        device: Optional[Any] = None,
     ) -> None:
         if isinstance(dataset, str):
             wire = ("name", dataset)
@@ -417,6 +481,8 @@ class Loader:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
         if output not in _OUTPUTS:
             raise ValueError(f"output must be 'numpy' or 'torch', not {output!r}")
+        #: ``"cuda:N"`` or ``None`` (host memory); checked before anything is opened.
+        self.device: Optional[str] = _cuda.resolve_device(device, output)
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be positive seconds or None, not {timeout}")
         self.rank, self.world_size, self.rank_source = _rank_world(rank, world_size)
@@ -447,6 +513,8 @@ class Loader:
         #: Bumped by every iter(): an older iterator refuses to go on.
         self._generation = 0
         self._convert = _torch_converter() if self.output == "torch" else None
+        #: The GPU uploader (``device=``), made at the first iteration in this process.
+        self._uploader: Optional[_cuda.Uploader] = None
 
     def _open(self, epoch: int, step: int) -> _NativeStream:
         return _NativeStream(
@@ -556,6 +624,8 @@ class Loader:
             if self.reconnect <= 0:
                 raise
             self._reconnect(e)
+        if getattr(self, "device", None) is not None:
+            return _CudaEpochIterator(self)  # type: ignore[return-value]
         return _EpochIterator(self)
 
     def state_dict(self) -> Dict[str, Any]:
@@ -604,6 +674,9 @@ class Loader:
 
     def close(self) -> None:
         """Close the stream; its shared memory is freed once no batch of it is referenced."""
+        if getattr(self, "_uploader", None) is not None:
+            self._uploader.close()  # type: ignore[union-attr]
+            self._uploader = None
         if self._stream is not None and self._pid == os.getpid():
             try:
                 self._stream.close()
@@ -622,6 +695,7 @@ class Loader:
             k: v
             for k, v in self.__dict__.items()
             if k not in ("_stream", "_info", "_pid", "_iterated", "_warned_repeat", "_generation", "_convert")
+            and k != "_uploader"
         }
         return state
 
@@ -703,3 +777,67 @@ class _EpochIterator:
         if self._convert is not None:
             return self._convert(batch)
         return batch
+
+
+class _CudaEpochIterator:
+    """One pass over an epoch with ``device=``: batch k+1 is fetched and its
+    copy queued before batch k is handed out, so the copy overlaps the use of
+    batch k. A failure fetching batch k+1 is raised at the next call, after
+    batch k was delivered; ``state_dict`` counts only delivered batches."""
+
+    __slots__ = ("_loader", "_inner", "_generation", "_ahead")
+
+    def __init__(self, loader: Loader) -> None:
+        self._loader = loader
+        self._inner = _EpochIterator(loader)
+        self._inner._convert = None  # numpy views of the slot; the uploader makes the tensors
+        self._generation = loader._generation
+        #: ("batch", (tensors, event), step after) | ("error", exc, step) | ("end", None, step), or None.
+        self._ahead: Optional[Tuple[str, Any, int]] = None
+
+    def __iter__(self) -> "_CudaEpochIterator":
+        return self
+
+    def _uploader(self) -> "_cuda.Uploader":
+        loader = self._loader
+        up = loader._uploader
+        if up is None or up.pid != os.getpid():
+            assert loader.device is not None
+            up = loader._uploader = _cuda.Uploader(loader.device)
+        return up
+
+    def _fetch(self) -> Tuple[str, Any, int]:
+        loader = self._loader
+        delivered = loader._step
+        up = self._uploader()
+        # Keep at most the newest copy in flight while waiting: two slots suffice.
+        up.reap(keep=1)
+        try:
+            batch = next(self._inner)
+        except StopIteration:
+            return ("end", None, loader._step)
+        except Exception as e:  # raised after the batch before it is delivered
+            return ("error", e, loader._step)
+        finally:
+            after, loader._step = loader._step, delivered
+        return ("batch", up.upload(loader._stream, batch), after)
+
+    def __next__(self) -> Dict[str, Any]:
+        loader = self._loader
+        if self._generation != loader._generation:
+            raise RuntimeError(
+                "stoker: this iterator was replaced by a newer iter(loader), which restarted the epoch; "
+                "use the newest iterator"
+            )
+        current = self._ahead if self._ahead is not None else self._fetch()
+        kind, payload, after = current
+        if kind == "end":
+            # As without device=: the end of the epoch leaves the step past the last batch.
+            self._ahead = current
+            raise StopIteration
+        self._ahead = self._fetch() if kind == "batch" else None
+        loader._step = after
+        if kind == "error":
+            raise payload
+        tensors, event = payload
+        return self._uploader().hand_over(tensors, event)

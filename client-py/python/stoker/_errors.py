@@ -20,6 +20,7 @@ __all__ = [
     "LimitError",
     "AccessDenied",
     "Timeout",
+    "DeviceUnavailable",
 ]
 
 
@@ -67,8 +68,19 @@ class Timeout(StokerError, TimeoutError):
     """The daemon did not answer within the Loader's ``timeout`` (a :class:`TimeoutError`)."""
 
 
+class DeviceUnavailable(StokerError, RuntimeError):
+    """``device="cuda..."`` cannot be served here (a :class:`RuntimeError`): no CUDA build of torch,
+    no driver, no such GPU.
+
+    A :class:`RuntimeError`, as torch's own "Found no NVIDIA driver" is: the
+    argument is a valid device name, the machine lacks what it names. Raised
+    by the :class:`Loader` constructor, before anything is opened.
+    """
+
+
 # Tracebacks and reprs say `stoker.Timeout`, the name users import; pickle
 # finds the classes there too (the package re-exports them).
-for _cls in (StokerError, DaemonUnavailable, DatasetError, ProtocolError, LimitError, AccessDenied, Timeout):
+for _cls in (StokerError, DaemonUnavailable, DatasetError, ProtocolError, LimitError, AccessDenied, Timeout,
+             DeviceUnavailable):
     _cls.__module__ = "stoker"
 del _cls

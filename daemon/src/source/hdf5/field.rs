@@ -309,14 +309,19 @@ impl FieldReader {
                     return Err("H5Dget_space failed".to_string());
                 }
                 let mem_space = H5Screate_simple(1, mem_dims.as_ptr(), std::ptr::null());
-                let mut status = H5Sselect_hyperslab(
-                    file_space,
-                    H5S_seloper_t::H5S_SELECT_SET,
-                    start.as_ptr(),
-                    std::ptr::null(),
-                    count.as_ptr(),
-                    std::ptr::null(),
-                );
+                // A scalar dataspace (rank 0, a constant field) has one element, selected already.
+                let mut status = if start.is_empty() {
+                    0
+                } else {
+                    H5Sselect_hyperslab(
+                        file_space,
+                        H5S_seloper_t::H5S_SELECT_SET,
+                        start.as_ptr(),
+                        std::ptr::null(),
+                        count.as_ptr(),
+                        std::ptr::null(),
+                    )
+                };
                 if status >= 0 && mem_space >= 0 {
                     status = H5Dread(
                         self.dataset.id(),

@@ -2,10 +2,15 @@
 //!
 //! Without a window, sample `i` is row `i` along the first axis of the
 //! concatenated files. With a window (`size`, `stride`) along axis 1, every
-//! item (row) of a file holds `(T - size) / stride + 1` samples, and sample
-//! `(item, start)` delivers `field[item, start : start + size]` for windowed
-//! fields and `field[item]` for per-item fields: The Well's
-//! `[trajectory, time, x, y, …]` layout.
+//! item (row) of a file holds `(T - span) / stride + 1` samples, where a
+//! window spans `span = (size - 1)·min_dt_stride + 1` steps, and sample
+//! `(item, w)` delivers `field[item, t0 : t0 + (size-1)·dt + 1 : dt]` with
+//! `t0 = w·stride` for windowed fields (its first `n_steps_input` steps for
+//! `input` fields, the rest for `output` fields) and `field[item]` for
+//! per-item fields: The Well's `[trajectory, time, x, y, …]` layout and its
+//! `WellDataset` sampling (`dt` drawn per sample when `max_dt_stride` is
+//! larger). `constant` fields have no item axis: every sample of a file gets
+//! the whole dataset. [`Geometry`] holds that index math, checked at open.
 //!
 //! Files arrive opened by handle ([`crate::fsaccess`]); libhdf5 opens the
 //! same inode through `/proc/self/fd/N`. Metadata comes from libhdf5 at open;
@@ -23,7 +28,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 
 use hdf5::types::{FloatSize, IntSize, TypeDescriptor};
-use stoker_proto::DType;
+use stoker_proto::{DType, Hdf5Sampling};
 
 use self::field::FieldReader;
 use super::{FieldOut, FieldSpec, SampleRef, Source, SourceError};
@@ -53,6 +58,107 @@ pub struct Hdf5Spec {
     /// Read with pread and the Rust decoders where possible; `false` sends
     /// every read through libhdf5 (for comparison, or to rule the fast path out).
     pub fast_path: bool,
+    /// Split windows, step spacing, constant fields (The Well's sampling).
+    pub sampling: Hdf5Sampling,
+}
+
+/// What a field delivers for one sample.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// `field[item]`: every field without a window, `per_item` ones with one.
+    Item,
+    /// Steps `from .. from + count` of the sample's window (all of it, or
+    /// its input or output part): `field[item, t0 + k·dt]` for each.
+    Steps { from: u64, count: u64 },
+    /// The whole dataset, the same for every sample of the file.
+    Constant,
+}
+
+/// A window's index math, checked at open against the values a user gave
+/// (any `u64`): nothing here can overflow once [`Geometry::new`] accepted it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Geometry {
+    /// Steps per window.
+    size: u64,
+    /// Steps between the starts of consecutive windows.
+    stride: u64,
+    /// Spacing of the steps inside a window, `dt_min..=dt_max`.
+    dt_min: u64,
+    dt_max: u64,
+    /// Steps one window spans at `dt_min`: `(size - 1)·dt_min + 1`.
+    span: u64,
+}
+
+impl Geometry {
+    /// Checks a window; the message names the value that is wrong.
+    pub(crate) fn new(window: Window, dt_min: u64, dt_max: u64) -> Result<Geometry, SourceError> {
+        let Window { size, stride } = window;
+        if size == 0 || stride == 0 {
+            return Err(SourceError::Spec {
+                pattern: String::new(),
+                message: format!("window size {size} and stride {stride} must both be at least 1"),
+            });
+        }
+        if dt_min == 0 || dt_max < dt_min {
+            return Err(SourceError::Spec {
+                pattern: String::new(),
+                message: format!(
+                    "min_dt_stride {dt_min} and max_dt_stride {dt_max}: the step spacing must be at least 1, \
+                     and max_dt_stride at least min_dt_stride"
+                ),
+            });
+        }
+        let span = (size - 1).checked_mul(dt_min).and_then(|s| s.checked_add(1)).ok_or_else(|| {
+            SourceError::Limit(format!(
+                "a window of {size} steps {dt_min} apart spans more than 2^64 steps; lower the window size or \
+                 min_dt_stride"
+            ))
+        })?;
+        Ok(Geometry { size, stride, dt_min, dt_max, span })
+    }
+
+    /// Windows per item of `steps` steps (0 when one window does not fit).
+    pub(crate) fn windows(&self, steps: u64) -> u64 {
+        match steps.checked_sub(self.span) {
+            Some(room) => room / self.stride + 1,
+            None => 0,
+        }
+    }
+
+    /// The first step of window `w` (`w < windows(steps)`, so within `steps`).
+    pub(crate) fn start(&self, w: u64) -> u64 {
+        w.saturating_mul(self.stride)
+    }
+
+    /// The step spacing of the window starting at `t0` in an item of `steps`
+    /// steps: `dt_min`, or with a range a draw from `word` between `dt_min`
+    /// and the largest spacing whose window still ends within the item
+    /// (capped at `dt_max`), as The Well's `WellDataset` draws it.
+    pub(crate) fn dt(&self, t0: u64, steps: u64, word: u64) -> u64 {
+        if self.dt_max == self.dt_min || self.size < 2 {
+            return self.dt_min;
+        }
+        let fits = steps.saturating_sub(t0).saturating_sub(1) / (self.size - 1);
+        let top = fits.min(self.dt_max);
+        if top <= self.dt_min {
+            return self.dt_min;
+        }
+        // top - dt_min + 1 ≤ u64::MAX since dt_min ≥ 1.
+        let choices = top - self.dt_min + 1;
+        self.dt_min + ((u128::from(word) * u128::from(choices)) >> 64) as u64
+    }
+}
+
+/// The random word a sample's step spacing is drawn from, keyed by (seed, epoch, index).
+fn dt_word(sample: SampleRef) -> u64 {
+    fn mix(x: u64) -> u64 {
+        let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    // A constant of its own keeps these draws apart from the transforms'.
+    [sample.epoch, sample.index, 0x6474_5f73_7472_6964].into_iter().fold(mix(sample.seed), |h, v| mix(h ^ v))
 }
 
 /// One file of a dataset: what it is, and its handles while open.
@@ -69,6 +175,8 @@ struct Hdf5File {
     cache_ids: Vec<u64>,
     /// Samples per item (1 without a window).
     windows: u64,
+    /// Steps along axis 1 of its windowed fields (0 without a window).
+    steps: u64,
     /// `None` while closed to bound open files.
     handle: RwLock<Option<Arc<OpenHdf5>>>,
     /// When it was last read (to within [`USE_GRAIN_US`]), in µs since [`EPOCH`].
@@ -185,8 +293,10 @@ impl OpenFiles {
 pub struct Hdf5Source {
     spec: Hdf5Spec,
     fields: Vec<FieldSpec>,
-    /// Per field: windowed (true) or whole per item.
-    windowed: Vec<bool>,
+    /// Per field: what it delivers for a sample.
+    roles: Vec<Role>,
+    /// The window, checked.
+    geometry: Option<Geometry>,
     files: Vec<Arc<Hdf5File>>,
     /// `starts[k]` is the global index of file k's first sample; one extra entry holds the total.
     starts: Vec<u64>,
@@ -213,25 +323,11 @@ impl Hdf5Source {
         limit: Arc<OpenFiles>,
     ) -> Result<Hdf5Source, SourceError> {
         let pattern = &spec.files;
-        let invalid = |message: String| SourceError::Spec { pattern: pattern.clone(), message };
-        if let Some(w) = spec.window.filter(|w| w.size == 0 || w.stride == 0) {
-            return Err(invalid(format!("window size {} and stride {} must both be at least 1", w.size, w.stride)));
-        }
-        for name in &spec.per_item {
-            if !spec.fields.iter().any(|(n, _)| n == name) {
-                return Err(invalid(format!("per_item names {name:?}, which is not one of the fields")));
-            }
-            if spec.window.is_none() {
-                return Err(invalid(format!(
-                    "per_item names {name:?} but there is no window; without a window every field is per item"
-                )));
-            }
-        }
-        let windowed: Vec<bool> =
-            spec.fields.iter().map(|(n, _)| spec.window.is_some() && !spec.per_item.contains(n)).collect();
-        if spec.window.is_some() && !windowed.contains(&true) {
-            return Err(invalid("a window needs at least one field that is not per_item (the windowed fields)".into()));
-        }
+        let (roles, geometry) = roles(spec).map_err(|e| match e {
+            SourceError::Spec { message, .. } => SourceError::Spec { pattern: pattern.clone(), message },
+            SourceError::Limit(message) => SourceError::Limit(format!("dataset {pattern:?}: {message}")),
+            other => other,
+        })?;
         if opened.is_empty() {
             return Err(SourceError::NoFiles { pattern: pattern.to_string() });
         }
@@ -248,7 +344,9 @@ impl Hdf5Source {
             // handles: an older open of this file from before it changed would
             // hand us its stale metadata.
             limit.close_changed(&checked.id);
-            let (handle, file_specs, items, windows) = open_file(&checked.path, raw, spec, &windowed, &cache_ids)?;
+            let (handle, file_specs, items, steps) =
+                open_file(&checked.path, raw, spec, &roles, geometry.as_ref(), &cache_ids)?;
+            let windows = geometry.map_or(1, |g| g.windows(steps));
             match &specs {
                 None => {
                     for (field, reader) in file_specs.iter().zip(&handle.fields) {
@@ -282,6 +380,7 @@ impl Hdf5Source {
                 id: checked.id,
                 cache_ids,
                 windows: windows.max(1),
+                steps,
                 handle: RwLock::new(Some(Arc::new(handle))),
                 used: AtomicU64::new(0),
                 checked_us: AtomicU64::new(0),
@@ -318,7 +417,7 @@ impl Hdf5Source {
                 );
             }
         }
-        Ok(Hdf5Source { spec: spec.clone(), fields, windowed, files, starts, cache, limit })
+        Ok(Hdf5Source { spec: spec.clone(), fields, roles, geometry, files, starts, cache, limit })
     }
 
     /// The file's handles, opening it again if it was closed to bound open
@@ -334,7 +433,8 @@ impl Hdf5Source {
             return Ok(handle.clone());
         }
         let raw = fsaccess::reopen_same(&file.canonical, file.root.as_deref(), &file.id).map_err(changed)?;
-        let (handle, ..) = open_file(&file.path, raw, &self.spec, &self.windowed, &file.cache_ids)?;
+        let (handle, ..) =
+            open_file(&file.path, raw, &self.spec, &self.roles, self.geometry.as_ref(), &file.cache_ids)?;
         let handle = Arc::new(handle);
         *slot = Some(handle.clone());
         drop(slot);
@@ -380,32 +480,165 @@ impl Source for Hdf5Source {
         let handle = self.handle(file)?;
         check_unchanged(file, &handle)?;
         let local = index - self.starts[file_idx];
-        let (item, step) = (local / file.windows, local % file.windows);
+        let (item, w) = (local / file.windows, local % file.windows);
+        let (t0, dt) = match &self.geometry {
+            Some(g) => {
+                let t0 = g.start(w);
+                (t0, g.dt(t0, file.steps, dt_word(sample)))
+            }
+            None => (0, 1),
+        };
         for (f, dst) in out.iter_mut().enumerate() {
             let reader = &handle.fields[f];
             let spec = &self.fields[f];
+            let read_err = |message: String| SourceError::Read {
+                path: file.path.clone(),
+                field: spec.name.clone(),
+                h5path: spec.origin.clone(),
+                index,
+                row: item,
+                message,
+            };
             let mut start = vec![0u64; reader.dims.len()];
             let mut count = reader.dims.clone();
-            start[0] = item;
-            count[0] = 1;
-            if self.windowed[f] {
-                let w = self.spec.window.expect("windowed fields exist only with a window");
-                start[1] = step * w.stride;
-                count[1] = w.size;
-            }
-            reader.read_block(&handle.raw, &self.cache, &start, &count, dst.data).map_err(|message| {
-                SourceError::Read {
-                    path: file.path.clone(),
-                    field: spec.name.clone(),
-                    h5path: spec.origin.clone(),
-                    index,
-                    row: item,
-                    message,
+            match self.roles[f] {
+                Role::Constant => reader.read_block(&handle.raw, &self.cache, &start, &count, dst.data),
+                Role::Item => {
+                    start[0] = item;
+                    count[0] = 1;
+                    reader.read_block(&handle.raw, &self.cache, &start, &count, dst.data)
                 }
-            })?;
+                Role::Steps { from, count: steps } => {
+                    start[0] = item;
+                    count[0] = 1;
+                    // Within the item: t0 + (size - 1)·dt < file.steps, checked at open and by `Geometry::dt`.
+                    let step = |k: u64| t0 + (from + k) * dt;
+                    if dt == 1 || steps <= 1 {
+                        start[1] = step(0);
+                        count[1] = steps;
+                        reader.read_block(&handle.raw, &self.cache, &start, &count, dst.data)
+                    } else {
+                        count[1] = 1;
+                        let step_bytes = dst.data.len() / steps as usize;
+                        if step_bytes == 0 {
+                            continue;
+                        }
+                        dst.data.chunks_exact_mut(step_bytes).zip(0..).try_for_each(|(part, k)| {
+                            start[1] = step(k);
+                            reader.read_block(&handle.raw, &self.cache, &start, &count, part)
+                        })
+                    }
+                }
+            }
+            .map_err(read_err)?;
         }
         Ok(())
     }
+}
+
+/// Each field's role and the checked window, from the spec; refuses
+/// contradictions (names that are not fields, fields with two roles, a split
+/// without a window) with a message saying what to change.
+fn roles(spec: &Hdf5Spec) -> Result<(Vec<Role>, Option<Geometry>), SourceError> {
+    let invalid = |message: String| SourceError::Spec { pattern: String::new(), message };
+    let s = &spec.sampling;
+    let geometry = match spec.window {
+        Some(w) => Some(Geometry::new(w, s.min_dt_stride, s.max_dt_stride)?),
+        None if (s.min_dt_stride, s.max_dt_stride) != (1, 1) => {
+            return Err(invalid(format!(
+                "min_dt_stride {} / max_dt_stride {} space the steps of a window, but there is no window; add one",
+                s.min_dt_stride, s.max_dt_stride
+            )));
+        }
+        None => None,
+    };
+    let lists: [(&str, &[String]); 4] =
+        [("per_item", &spec.per_item), ("constant", &s.constant), ("input", &s.input), ("output", &s.output)];
+    for (i, (list, names)) in lists.iter().enumerate() {
+        for name in names.iter() {
+            if !spec.fields.iter().any(|(n, _)| n == name) {
+                return Err(invalid(format!("{list} names {name:?}, which is not one of the fields")));
+            }
+            if let Some((other, _)) = lists[..i].iter().find(|(_, names)| names.contains(name)) {
+                return Err(invalid(format!("field {name:?} is in both {other} and {list}; a field has one role")));
+            }
+        }
+    }
+    if spec.window.is_none()
+        && let Some((list, name)) =
+            lists.iter().filter(|(l, _)| *l != "constant").find_map(|(l, n)| n.first().map(|n| (l, n)))
+    {
+        let why = if *list == "per_item" {
+            "without a window every field is per item"
+        } else {
+            "input and output fields take parts of a window"
+        };
+        return Err(invalid(format!("{list} names {name:?} but there is no window; {why}")));
+    }
+    let (size, n_in) = match (geometry, s.n_steps_input) {
+        (Some(g), Some(n_in)) if n_in > g.size => {
+            return Err(invalid(format!(
+                "n_steps_input {n_in} is more than the window's {} steps (n_steps_input + n_steps_output)",
+                g.size
+            )));
+        }
+        (Some(g), Some(n_in)) => (g.size, n_in),
+        (None, Some(n_in)) => {
+            return Err(invalid(format!("n_steps_input {n_in} splits a window, but there is no window")));
+        }
+        (g, None) => {
+            if let Some(name) = s.input.first().or(s.output.first()) {
+                return Err(invalid(format!(
+                    "field {name:?} is an input or output field, but the window has no split; give \
+                     n_steps_input and n_steps_output instead of size"
+                )));
+            }
+            (g.map_or(0, |g| g.size), 0)
+        }
+    };
+    if s.n_steps_input.is_some() && s.input.is_empty() && s.output.is_empty() {
+        return Err(invalid(
+            "the window is split (n_steps_input, n_steps_output) but no field is listed in input or output; \
+             list the fields that take the first n_steps_input steps in input and those that take the rest in \
+             output"
+                .into(),
+        ));
+    }
+    let n_out = size - n_in;
+    for (list, steps, key) in [("input", n_in, "n_steps_input"), ("output", n_out, "n_steps_output")] {
+        let names = if list == "input" { &s.input } else { &s.output };
+        if let Some(name) = names.first().filter(|_| steps == 0) {
+            return Err(invalid(format!("{list} field {name:?} would get no steps: {key} is 0")));
+        }
+    }
+    let roles: Vec<Role> = spec
+        .fields
+        .iter()
+        .map(|(n, _)| {
+            if s.constant.contains(n) {
+                Role::Constant
+            } else if geometry.is_none() || spec.per_item.contains(n) {
+                Role::Item
+            } else if s.input.contains(n) {
+                Role::Steps { from: 0, count: n_in }
+            } else if s.output.contains(n) {
+                Role::Steps { from: n_in, count: n_out }
+            } else {
+                Role::Steps { from: 0, count: size }
+            }
+        })
+        .collect();
+    if geometry.is_some() && !roles.iter().any(|r| matches!(r, Role::Steps { .. })) {
+        return Err(invalid(
+            "a window needs at least one field that is not per_item or constant (the windowed fields)".into(),
+        ));
+    }
+    if !roles.iter().any(|r| *r != Role::Constant) {
+        return Err(invalid(
+            "every field is constant; at least one field needs the item axis that samples are indexed by".into(),
+        ));
+    }
+    Ok((roles, geometry))
 }
 
 /// The files matching `pattern`, sorted. Glob sees only what the caller may
@@ -455,12 +688,15 @@ fn expand(pattern: &str, client: bool) -> Result<Vec<PathBuf>, SourceError> {
 }
 
 /// Opens `raw` (the checked file at `path`) with libhdf5 and builds its
-/// readers: the handles, the field specs, the items and windows per item.
+/// readers: the handles, the field specs, the items, and the steps along
+/// axis 1 of the windowed fields (0 without a window). A window longer than
+/// those steps is refused, naming the file and field.
 fn open_file(
     path: &Path,
     raw: File,
     spec: &Hdf5Spec,
-    windowed: &[bool],
+    roles: &[Role],
+    geometry: Option<&Geometry>,
     cache_ids: &[u64],
 ) -> Result<(OpenHdf5, Vec<FieldSpec>, u64, u64), SourceError> {
     let open_err = |message: String| SourceError::Open { path: path.to_owned(), message };
@@ -476,7 +712,7 @@ fn open_file(
     // (length, field name) of the first field along axis 0, and along axis 1 for windowed fields.
     let mut items: Option<(u64, &str)> = None;
     let mut steps: Option<(u64, &str)> = None;
-    for (((name, h5path), &is_windowed), &cache_id) in spec.fields.iter().zip(windowed).zip(cache_ids) {
+    for (((name, h5path), &role), &cache_id) in spec.fields.iter().zip(roles).zip(cache_ids) {
         let field_err = |message: String| SourceError::Inconsistent {
             path: path.to_owned(),
             field: name.clone(),
@@ -489,39 +725,53 @@ fn open_file(
             h5path: h5path.clone(),
         })?;
         let shape: Vec<u64> = dataset.shape().iter().map(|&d| d as u64).collect();
-        let Some((&len, rest)) = shape.split_first() else {
-            return Err(field_err("is a scalar; a field needs a first axis to index samples by".into()));
+        let (len, rest) = match shape.split_first() {
+            _ if role == Role::Constant => (None, &shape[..]),
+            Some((&len, rest)) => (Some(len), rest),
+            None => {
+                return Err(field_err(
+                    "is a scalar; a field needs a first axis to index samples by (list it in constant to deliver \
+                     it whole with every sample)"
+                        .into(),
+                ));
+            }
         };
-        match items {
-            None => items = Some((len, name)),
-            Some((first_len, first_name)) if first_len != len => {
+        match (items, len) {
+            (_, None) => {}
+            (None, Some(len)) => items = Some((len, name)),
+            (Some((first_len, first_name)), Some(len)) if first_len != len => {
                 return Err(field_err(format!(
                     "has {len} items along the first axis but field {first_name:?} has {first_len}; \
-                     all fields of a dataset must have the same length in each file"
+                     all fields of a dataset must have the same length in each file (list fields without \
+                     the item axis in constant)"
                 )));
             }
-            Some(_) => {}
+            (Some(_), Some(_)) => {}
         }
-        let sample_shape = if is_windowed {
-            let window = spec.window.expect("windowed fields exist only with a window");
-            let Some((&time, trailing)) = rest.split_first() else {
-                return Err(field_err(format!(
-                    "has shape {shape:?}; a windowed field needs a time axis (axis 1); list it in per_item \
-                     to deliver it whole per item"
-                )));
-            };
-            match steps {
-                None => steps = Some((time, name)),
-                Some((first_time, first_name)) if first_time != time => {
+        let sample_shape = match role {
+            Role::Constant => shape.clone(),
+            Role::Item => rest.to_vec(),
+            Role::Steps { count, .. } => {
+                let Some((&time, trailing)) = rest.split_first() else {
                     return Err(field_err(format!(
-                        "has {time} steps along axis 1 but windowed field {first_name:?} has {first_time}"
+                        "has shape {shape:?}; a windowed field needs a time axis (axis 1); list it in per_item \
+                         to deliver it whole per item, or in constant if it has no item axis either"
                     )));
+                };
+                if let Some(g) = geometry.filter(|g| time < g.span) {
+                    return Err(field_err(window_too_long(g, time, spec.sampling.n_steps_input)));
                 }
-                Some(_) => {}
+                match steps {
+                    None => steps = Some((time, name)),
+                    Some((first_time, first_name)) if first_time != time => {
+                        return Err(field_err(format!(
+                            "has {time} steps along axis 1 but windowed field {first_name:?} has {first_time}"
+                        )));
+                    }
+                    Some(_) => {}
+                }
+                std::iter::once(count).chain(trailing.iter().copied()).collect()
             }
-            std::iter::once(window.size).chain(trailing.iter().copied()).collect()
-        } else {
-            rest.to_vec()
         };
         let file_type = dataset.dtype().map_err(|e| field_err(e.to_string()))?;
         let (dtype, descriptor) = classify(&file_type).map_err(|found| SourceError::Dtype {
@@ -559,12 +809,26 @@ fn open_file(
         readers.push(reader);
     }
     let items = items.map_or(0, |(len, _)| len);
-    let windows = match (spec.window, steps) {
-        (Some(w), Some((time, _))) if time >= w.size => (time - w.size) / w.stride + 1,
-        (Some(_), _) => 0,
-        (None, _) => 1,
+    let steps = match steps {
+        Some((time, ..)) => time,
+        None => 0,
     };
-    Ok((OpenHdf5 { _h5: h5, raw, fields: readers }, specs, items, windows))
+    Ok((OpenHdf5 { _h5: h5, raw, fields: readers }, specs, items, steps))
+}
+
+/// Why no window of `g` fits in `time` steps: the window's size (and
+/// split), its spacing and span, and what to change.
+fn window_too_long(g: &Geometry, time: u64, n_steps_input: Option<u64>) -> String {
+    let split = match n_steps_input {
+        Some(n_in) => format!(" (n_steps_input {n_in} + n_steps_output {})", g.size - n_in),
+        None => String::new(),
+    };
+    let spacing = if g.dt_min == 1 { "consecutive".to_string() } else { format!("{} apart (min_dt_stride)", g.dt_min) };
+    format!(
+        "has {time} time steps (axis 1), fewer than one window spans: {} steps{split}, {spacing}, span {} steps \
+         (window stride {}); no sample fits. Shorten the window or lower the step spacing, or leave this file out",
+        g.size, g.span, g.stride
+    )
 }
 
 /// Maps an HDF5 file type to the dtype served, or describes what it is.
@@ -664,4 +928,152 @@ fn check_same_fields(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geometry(size: u64, stride: u64, dt_min: u64, dt_max: u64) -> Result<Geometry, SourceError> {
+        Geometry::new(Window { size, stride }, dt_min, dt_max)
+    }
+
+    /// the_well.data.utils.raw_steps_to_possible_sample_t0s.
+    fn well_windows(steps: u64, size: u64, dt: u64) -> u64 {
+        (steps + 1).saturating_sub(1 + dt * (size - 1))
+    }
+
+    #[test]
+    fn windows_match_welldataset() {
+        // The docstring's examples: (T, n_in + n_out, dt) → windows.
+        for (steps, size, dt, expect) in [(5, 2, 1, 4), (5, 2, 2, 3), (5, 2, 3, 2), (5, 3, 2, 1), (5, 3, 3, 0)] {
+            assert_eq!(geometry(size, 1, dt, dt).unwrap().windows(steps), expect, "T={steps} size={size} dt={dt}");
+            assert_eq!(well_windows(steps, size, dt), expect);
+        }
+        for steps in 0..40 {
+            for size in 1..6 {
+                for dt in 1..4 {
+                    let g = geometry(size, 1, dt, dt + 3).unwrap();
+                    assert_eq!(g.windows(steps), well_windows(steps, size, dt));
+                }
+            }
+        }
+        // A start stride k keeps every k-th of those windows.
+        assert_eq!(geometry(4, 2, 1, 1).unwrap().windows(11), 4);
+    }
+
+    #[test]
+    fn drawn_dt_stays_inside_the_item_and_the_range() {
+        for steps in 2..30u64 {
+            for size in 2..5u64 {
+                let g = geometry(size, 1, 1, 5).unwrap();
+                for w in 0..g.windows(steps) {
+                    let t0 = g.start(w);
+                    // the_well.data.utils.maximum_stride_for_initial_index
+                    let top = ((steps - t0 - 1) / (size - 1)).clamp(1, 5);
+                    let mut seen = std::collections::BTreeSet::new();
+                    for word in [0, 1 << 20, u64::MAX / 3, u64::MAX / 2, u64::MAX - 1, u64::MAX] {
+                        let dt = g.dt(t0, steps, word);
+                        assert!((1..=top).contains(&dt), "T={steps} size={size} t0={t0}: dt {dt} not in 1..={top}");
+                        assert!(t0 + (size - 1) * dt < steps);
+                        seen.insert(dt);
+                    }
+                    assert!(seen.contains(&1) && seen.contains(&top), "the range's ends are drawn");
+                }
+            }
+        }
+        // Fixed spacing: never drawn.
+        assert_eq!(geometry(3, 1, 2, 2).unwrap().dt(0, 100, u64::MAX), 2);
+    }
+
+    #[test]
+    fn hostile_window_values_are_refused_or_harmless() {
+        assert!(matches!(geometry(0, 1, 1, 1), Err(SourceError::Spec { .. })));
+        assert!(matches!(geometry(3, 0, 1, 1), Err(SourceError::Spec { .. })));
+        assert!(matches!(geometry(3, 1, 0, 1), Err(SourceError::Spec { .. })));
+        assert!(matches!(geometry(3, 1, 4, 2), Err(SourceError::Spec { .. })));
+        let Err(SourceError::Limit(message)) = geometry(3, 1, 1 << 63, 1 << 63) else { panic!("overflow accepted") };
+        assert!(message.contains("3 steps") && message.contains(&(1u64 << 63).to_string()), "{message}");
+        assert!(matches!(geometry(u64::MAX, 1, 2, 2), Err(SourceError::Limit(_))));
+        // Accepted extremes compute without overflow.
+        for (size, stride, lo, hi) in
+            [(u64::MAX, 1, 1, u64::MAX), (1, u64::MAX, u64::MAX, u64::MAX), (2, 1, 1, u64::MAX)]
+        {
+            let g = geometry(size, stride, lo, hi).unwrap();
+            for steps in [0, 1, 2, u64::MAX - 1, u64::MAX] {
+                let windows = g.windows(steps);
+                assert!(windows <= steps);
+                if windows > 0 {
+                    let t0 = g.start(windows - 1);
+                    for word in [0, u64::MAX] {
+                        let dt = g.dt(t0, steps, word);
+                        assert!(dt >= lo && dt <= hi.max(lo));
+                    }
+                }
+            }
+        }
+    }
+
+    fn spec(fields: &[&str], window: Option<Window>, sampling: Hdf5Sampling) -> Hdf5Spec {
+        Hdf5Spec {
+            files: "/x/*.h5".into(),
+            fields: fields.iter().map(|f| (f.to_string(), f.to_string())).collect(),
+            window,
+            per_item: Vec::new(),
+            fast_path: true,
+            sampling,
+        }
+    }
+
+    fn names(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn roles_split_the_window() {
+        let sampling = Hdf5Sampling {
+            n_steps_input: Some(4),
+            input: names(&["x"]),
+            output: names(&["y"]),
+            constant: names(&["c"]),
+            ..Default::default()
+        };
+        let (roles, g) = roles(&spec(&["x", "y", "w", "c"], Some(Window { size: 5, stride: 1 }), sampling)).unwrap();
+        assert_eq!(
+            roles,
+            [
+                Role::Steps { from: 0, count: 4 },
+                Role::Steps { from: 4, count: 1 },
+                Role::Steps { from: 0, count: 5 },
+                Role::Constant
+            ]
+        );
+        assert_eq!(g.map(|g| g.span), Some(5));
+    }
+
+    #[test]
+    fn contradictory_roles_are_refused() {
+        let w = Some(Window { size: 3, stride: 1 });
+        let split = |n_in, input: &[&str], output: &[&str]| Hdf5Sampling {
+            n_steps_input: n_in,
+            input: names(input),
+            output: names(output),
+            ..Default::default()
+        };
+        let refused = |spec: Hdf5Spec, needle: &str| match roles(&spec) {
+            Err(SourceError::Spec { message, .. }) => assert!(message.contains(needle), "{message}"),
+            other => panic!("accepted or wrong error: {other:?}"),
+        };
+        refused(spec(&["x"], w, split(Some(4), &["x"], &[])), "more than the window's 3 steps");
+        refused(spec(&["x", "y"], w, split(Some(3), &["x"], &["y"])), "n_steps_output is 0");
+        refused(spec(&["x"], w, split(None, &["x"], &[])), "no split");
+        refused(spec(&["x"], w, split(Some(1), &[], &[])), "no field is listed");
+        refused(spec(&["x"], w, split(Some(1), &["x"], &["x"])), "one role");
+        refused(spec(&["x"], w, split(Some(1), &["z"], &[])), "not one of the fields");
+        refused(spec(&["x"], None, split(Some(1), &["x"], &[])), "no window");
+        let constant = Hdf5Sampling { constant: names(&["x"]), ..Default::default() };
+        refused(spec(&["x"], None, constant), "every field is constant");
+        let dt = Hdf5Sampling { min_dt_stride: 2, max_dt_stride: 2, ..Default::default() };
+        refused(spec(&["x"], None, dt), "no window");
+    }
 }

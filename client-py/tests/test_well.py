@@ -1,0 +1,317 @@
+"""The Well's sampling: windows split into input and output steps, a step
+spacing inside a window (fixed, or drawn per sample within a range), constant
+fields without the item axis, and the refusal of a window longer than the
+time axis. Files follow the layout of the_well's dummy-data writer
+(`the_well/utils/dummy_data.py`); served samples are compared byte for byte
+with h5py slicing as `WellDataset` does it (the_well is not installed: its
+index math is transcribed in `well_windows` / `well_max_dt`)."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import check_field
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def well_windows(steps: int, n_in: int, n_out: int, dt: int) -> int:
+    """the_well.data.utils.raw_steps_to_possible_sample_t0s."""
+    return max(0, steps - (1 + dt * (n_in + n_out - 1)) + 1)
+
+
+def well_max_dt(t0: int, steps: int, n_in: int, n_out: int) -> int:
+    """the_well.data.utils.maximum_stride_for_initial_index."""
+    return max(0, (steps - t0 - 1) // (n_in + n_out - 1))
+
+
+def write_well_file(path: Path, rng: np.random.Generator, n_traj: int, n_t: int, k: int, nx: int = 6, ny: int = 5) -> None:
+    """One file in The Well's layout (dummy_data.py's groups and attributes),
+    plus `t0_fields/tracer`, a `tag` field (file·10⁶ + trajectory·10³ + step)
+    that tells samples apart, a sample-invariant `t0_fields/mask` and the
+    scalar `Reynolds`."""
+    with h5py.File(path, "w") as f:
+        f.attrs.update(
+            {"a": 0.25, "b": 0.75, "dataset_name": "shear_flow", "grid_type": "cartesian", "n_spatial_dims": 2,
+             "n_trajectories": n_traj, "simulation_parameters": ["a", "b"]}
+        )
+        bcs = f.create_group("boundary_conditions")
+        for key in ("x_periodic", "y_periodic"):
+            g = bcs.create_group(key)
+            g.attrs.update({"associated_dims": key[0], "bc_type": "PERIODIC", "sample_varying": False, "time_varying": False})
+            g.create_dataset("mask", data=np.zeros(nx if key[0] == "x" else ny, dtype=bool))
+        dims = f.create_group("dimensions")
+        dims.attrs["spatial_dims"] = ["x", "y"]
+        for key, n in (("time", n_t), ("x", nx), ("y", ny)):
+            dims.create_dataset(key, data=np.linspace(0, 1, n, dtype=np.float32))
+            dims[key].attrs["sample_varying"] = False
+        scalars = f.create_group("scalars")
+        scalars.attrs["field_names"] = ["a", "b", "Reynolds", "time_varying_scalar"]
+        for key, val in (("a", 0.25), ("b", 0.75), ("Reynolds", 1000.0 + k)):
+            scalars.create_dataset(key, data=np.array(val))
+            scalars[key].attrs.update({"time_varying": False, "sample_varying": False})
+        scalars.create_dataset("time_varying_scalar", data=rng.random(n_t))
+        scalars["time_varying_scalar"].attrs.update({"time_varying": True, "sample_varying": False})
+        t0 = f.create_group("t0_fields")
+        t0.attrs["field_names"] = ["constant_field", "tracer", "mask"]
+        for name, data, sample_varying, time_varying, kw in (
+            ("constant_field", rng.random((n_traj, nx, ny), dtype=np.float32), True, False, {}),
+            ("tracer", rng.random((n_traj, n_t, nx, ny), dtype=np.float32), True, True,
+             {"chunks": (1, 2, nx, ny), "compression": "gzip"}),
+            ("mask", rng.integers(0, 9, (nx, ny)).astype(">i2"), False, False, {}),
+        ):
+            d = t0.create_dataset(name, data=data, **kw)
+            d.attrs.update({"dim_varying": [True, True], "sample_varying": sample_varying, "time_varying": time_varying})
+        t1 = f.create_group("t1_fields")
+        t1.attrs["field_names"] = ["velocity"]
+        d = t1.create_dataset("velocity", data=rng.random((n_traj, n_t, nx, ny, 2), dtype=np.float32))
+        d.attrs.update({"dim_varying": [True, True], "sample_varying": True, "time_varying": True})
+        f.create_group("t2_fields").attrs["field_names"] = []
+        tag = 10**6 * k + 10**3 * np.arange(n_traj)[:, None] + np.arange(n_t)[None, :]
+        f.create_dataset("tag", data=tag.astype(np.int64))
+
+
+def write_well(root: Path, shapes: list[tuple[int, int]], seed: int = 0) -> list[Path]:
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    files = []
+    for k, (n_traj, n_t) in enumerate(shapes):
+        path = root / f"shear_flow_{k:02d}.hdf5"
+        write_well_file(path, rng, n_traj, n_t, k)
+        files.append(path)
+    return files
+
+
+FIELDS = {
+    "x": "t1_fields/velocity",
+    "y": "t1_fields/velocity",
+    "p_in": "t0_fields/tracer",
+    "p_out": "t0_fields/tracer",
+    "tag": "tag",
+    "cf": "t0_fields/constant_field",
+    "mask": "t0_fields/mask",
+    "re": "scalars/Reynolds",
+}
+
+
+def split_spec(stoker: Any, root: Path, window: dict[str, int]) -> Any:
+    return stoker.hdf5(
+        str(root / "*.hdf5"), fields=FIELDS, window=window, per_item=["cf"],
+        input=["x", "p_in"], output=["y", "p_out"], constant=["mask", "re"],
+    )
+
+
+def check_sample(b: dict[str, np.ndarray], r: int, files: list[Path], n_in: int, n_out: int) -> tuple[int, int, int, int]:
+    """Checks row `r` against h5py; returns (file, trajectory, t0, dt) read from its tag."""
+    tag = b["tag"][r]
+    k, rest = divmod(int(tag[0]), 10**6)
+    traj, t0 = divmod(rest, 10**3)
+    dt = int(tag[1] - tag[0]) if len(tag) > 1 else 1
+    assert dt >= 1
+    with h5py.File(files[k]) as f:
+        window = slice(t0, t0 + (n_in + n_out - 1) * dt + 1, dt)
+        check_field("tag", tag, f["tag"][traj, window])
+        vel, tracer = f["t1_fields/velocity"][traj, window], f["t0_fields/tracer"][traj, window]
+        check_field("x", b["x"][r], vel[:n_in])
+        check_field("y", b["y"][r], vel[n_in:])
+        check_field("p_in", b["p_in"][r], tracer[:n_in])
+        check_field("p_out", b["p_out"][r], tracer[n_in:])
+        check_field("cf", b["cf"][r], f["t0_fields/constant_field"][traj])
+        check_field("mask", b["mask"][r], f["t0_fields/mask"][()])
+        check_field("re", b["re"][r, ...], np.asarray(f["scalars/Reynolds"][()]))
+    return k, traj, t0, dt
+
+
+def check_cover(order: list[int | None], n: int) -> None:
+    """DistributedSampler's global order: a permutation of 0..n, then the padding repeating its start."""
+    assert None not in order
+    assert sorted(order[:n]) == list(range(n)), "each window exactly once per epoch"
+    assert order[n:] == order[: len(order) - n], "padding repeats the start of the order"
+
+
+def test_split_windows_with_dt_stride_equal_h5py_across_epochs_and_ranks(start_daemon, stoker, tmp_path: Path) -> None:
+    shapes = [(3, 11), (2, 9)]
+    files = write_well(tmp_path / "well", shapes)
+    n_in, n_out, dt = 2, 1, 2
+    spec = split_spec(stoker, tmp_path / "well", {"n_steps_input": n_in, "n_steps_output": n_out, "dt_stride": dt})
+    windows = [well_windows(t, n_in, n_out, dt) for _, t in shapes]
+    assert windows == [7, 5]
+    offsets = np.cumsum([0] + [n * w for (n, _), w in zip(shapes, windows)])
+    n = int(offsets[-1])
+    daemon = start_daemon(allowed_roots=[tmp_path])
+    world = 3
+    for epoch in range(2):
+        per_rank = -(-n // world)
+        order: list[int | None] = [None] * (per_rank * world)
+        for rank in range(world):
+            loader = stoker.Loader(spec, batch_size=4, seed=11, rank=rank, world_size=world, socket=daemon.socket)
+            assert loader.fields["x"][1] == (n_in, 6, 5, 2)
+            assert loader.fields["y"][1] == (n_out, 6, 5, 2)
+            assert loader.fields["p_in"][1] == (n_in, 6, 5)
+            assert loader.fields["mask"][1] == (6, 5)
+            assert loader.fields["re"][1] == ()
+            loader.set_epoch(epoch)
+            pos = 0
+            for b in loader:
+                for r in range(len(b["tag"])):
+                    k, traj, t0, got_dt = check_sample(b, r, files, n_in, n_out)
+                    assert got_dt == dt
+                    assert 0 <= t0 < windows[k]
+                    order[rank + world * pos] = int(offsets[k]) + traj * windows[k] + t0
+                    pos += 1
+            assert pos == per_rank
+            loader.close()
+        check_cover(order, n)
+
+
+def dt_draws(stoker: Any, spec: Any, socket: str, seed: int, epoch: int, files: list[Path], n_in: int, n_out: int) -> dict[tuple[int, int, int], int]:
+    loader = stoker.Loader(spec, batch_size=5, seed=seed, socket=socket)
+    loader.set_epoch(epoch)
+    draws = {}
+    for b in loader:
+        for r in range(len(b["tag"])):
+            k, traj, t0, dt = check_sample(b, r, files, n_in, n_out)
+            assert (k, traj, t0) not in draws, "each window once per epoch"
+            draws[(k, traj, t0)] = dt
+    loader.close()
+    return draws
+
+
+def test_random_dt_stride_is_deterministic_per_seed_epoch_and_index(start_daemon, stoker, tmp_path: Path) -> None:
+    shapes = [(3, 20), (2, 16)]
+    files = write_well(tmp_path / "well", shapes, seed=1)
+    n_in, n_out, lo, hi = 2, 2, 1, 4
+    spec = split_spec(stoker, tmp_path / "well", {"n_steps_input": n_in, "n_steps_output": n_out, "min_dt_stride": lo, "max_dt_stride": hi})
+    daemon = start_daemon(allowed_roots=[tmp_path])
+    first = dt_draws(stoker, spec, daemon.socket, 3, 0, files, n_in, n_out)
+    # Windows per trajectory are counted at min_dt_stride, as WellDataset counts them.
+    assert len(first) == sum(n * well_windows(t, n_in, n_out, lo) for n, t in shapes)
+    for (k, _, t0), dt in first.items():
+        top = min(hi, well_max_dt(t0, shapes[k][1], n_in, n_out))
+        assert lo <= dt <= max(lo, top), f"window at {t0}: dt {dt} outside [{lo}, {top}]"
+    assert len(set(first.values())) > 2, f"draws do not vary: {Counter(first.values())}"
+    assert dt_draws(stoker, spec, daemon.socket, 3, 0, files, n_in, n_out) == first, "same (seed, epoch, index), same dt"
+    assert dt_draws(stoker, spec, daemon.socket, 3, 1, files, n_in, n_out) != first, "another epoch draws anew"
+    assert dt_draws(stoker, spec, daemon.socket, 4, 0, files, n_in, n_out) != first, "another seed draws anew"
+
+
+def test_constant_fields_broadcast_without_a_window(start_daemon, stoker, tmp_path: Path) -> None:
+    files = write_well(tmp_path / "well", [(3, 5), (4, 5)], seed=2)
+    spec = stoker.hdf5(
+        str(tmp_path / "well" / "*.hdf5"),
+        fields={"cf": "t0_fields/constant_field", "mask": "t0_fields/mask", "a": "scalars/a", "re": "scalars/Reynolds"},
+        constant=["mask", "a", "re"],
+    )
+    daemon = start_daemon(allowed_roots=[tmp_path])
+    loader = stoker.Loader(spec, batch_size=3, shuffle=False, socket=daemon.socket)
+    rows = []
+    for b in loader:
+        rows += [(b["cf"][r], b["mask"][r], b["a"][r, ...], b["re"][r, ...]) for r in range(len(b["cf"]))]
+    assert len(rows) == 7
+    for i, (cf, mask, a, re_) in enumerate(rows):
+        k, item = (0, i) if i < 3 else (1, i - 3)
+        with h5py.File(files[k]) as f:
+            check_field("cf", cf, f["t0_fields/constant_field"][item])
+            check_field("mask", mask, f["t0_fields/mask"][()])
+            check_field("a", a, np.asarray(f["scalars/a"][()]))
+            check_field("re", re_, np.asarray(f["scalars/Reynolds"][()]))
+
+
+def test_window_longer_than_the_time_axis_says_so(start_daemon, stoker, tmp_path: Path) -> None:
+    files = write_well(tmp_path / "well", [(2, 12), (2, 7)], seed=3)
+    daemon = start_daemon(allowed_roots=[tmp_path])
+    spec = split_spec(stoker, tmp_path / "well", {"n_steps_input": 3, "n_steps_output": 2, "dt_stride": 2})
+    with pytest.raises(stoker.DatasetError) as e:
+        stoker.Loader(spec, batch_size=2, socket=daemon.socket)
+    msg = str(e.value)
+    for needle in (files[1].name, "t1_fields/velocity", "7 time steps", "5 steps", "n_steps_input 3", "2 apart", "span 9"):
+        assert needle in msg, f"{needle!r} not in {msg!r}"
+    assert "holds no samples" not in msg
+
+
+@pytest.mark.parametrize(
+    "window, extra, needle",
+    [
+        ({"n_steps_input": 2, "n_steps_output": 1, "dt_stride": 2**63}, {}, "2^64"),
+        ({"n_steps_input": 2, "n_steps_output": 1, "min_dt_stride": 2**62, "max_dt_stride": 2**64 - 1}, {}, "no sample fits"),
+        ({"n_steps_input": 2**63, "n_steps_output": 2**63 - 1}, {}, "no sample fits"),
+        ({"n_steps_input": 2, "n_steps_output": 0}, {}, "n_steps_output is 0"),
+        ({"size": 3}, {}, "no split"),
+    ],
+)
+def test_hostile_windows_are_refused_at_open(start_daemon, stoker, tmp_path: Path, window, extra, needle) -> None:
+    write_well(tmp_path / "well", [(2, 12)], seed=4)
+    daemon = start_daemon(allowed_roots=[tmp_path])
+    with pytest.raises((stoker.DatasetError, stoker.LimitError)) as e:
+        stoker.Loader(split_spec(stoker, tmp_path / "well", window), batch_size=2, socket=daemon.socket)
+    assert needle in str(e.value)
+    with pytest.raises(ValueError, match="64 bits"):
+        split_spec(stoker, tmp_path / "well", {"n_steps_input": 2**63, "n_steps_output": 2**63})
+    # the daemon keeps serving
+    loader = stoker.Loader(split_spec(stoker, tmp_path / "well", {"n_steps_input": 2, "n_steps_output": 1}), batch_size=2, socket=daemon.socket)
+    assert len(next(iter(loader))["tag"]) == 2
+
+
+def doc_blocks() -> tuple[str, str]:
+    text = (REPO / "docs" / "the-well.md").read_text()
+    toml = re.search(r"```toml\n(.*?)```", text, re.S).group(1)
+    python = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "stoker.hdf5" in b][0]
+    return toml, python
+
+
+def test_the_well_guide_config_and_python_match_welldataset(start_daemon, stoker, tmp_path: Path, monkeypatch) -> None:
+    """docs/the-well.md's TOML table and stoker.hdf5 call, on files in The
+    Well's layout, give WellDataset's windows: every window once per epoch,
+    its input and output steps, its dt within WellDataset's range."""
+    base = tmp_path / "shear_flow"
+    shapes = [(2, 14), (3, 10)]
+    files = write_well(base / "data" / "train", shapes, seed=5)
+    toml, python = doc_blocks()
+    toml = toml.replace("/data/shear_flow", str(base))
+    python = python.replace("/data/shear_flow", str(base))
+    n_in, n_out, lo, hi = 4, 1, 1, 2
+    assert f"n_steps_input = {n_in}, n_steps_output = {n_out}, min_dt_stride = {lo}, max_dt_stride = {hi}" in toml
+    windows = [well_windows(t, n_in, n_out, lo) for _, t in shapes]
+    n = sum(k * w for (k, _), w in zip(shapes, windows))
+
+    # Every (file, trajectory, t0, dt) WellDataset may produce, by its tracer input.
+    candidates = {}
+    for k, (path, (n_traj, n_t)) in enumerate(zip(files, shapes)):
+        with h5py.File(path) as f:
+            tracer = f["t0_fields/tracer"][()]
+        for traj in range(n_traj):
+            for t0 in range(windows[k]):
+                for dt in range(lo, max(lo, min(hi, well_max_dt(t0, n_t, n_in, n_out))) + 1):
+                    candidates[tracer[traj, t0 : t0 + n_in * dt : dt].tobytes()] = (k, traj, t0, dt)
+
+    def check(loader: Any) -> None:
+        seen = Counter()
+        for b in loader:
+            for r in range(len(b["tracer_in"])):
+                k, traj, t0, dt = candidates[b["tracer_in"][r].tobytes()]
+                seen[(k, traj, t0)] += 1
+                with h5py.File(files[k]) as f:
+                    window = slice(t0, t0 + (n_in + n_out - 1) * dt + 1, dt)
+                    vel, tracer = f["t1_fields/velocity"][traj, window], f["t0_fields/tracer"][traj, window]
+                    check_field("velocity_in", b["velocity_in"][r], vel[:n_in])
+                    check_field("velocity_out", b["velocity_out"][r], vel[n_in:])
+                    check_field("tracer_out", b["tracer_out"][r], tracer[n_in:])
+                    check_field("mask", b["mask"][r], f["t0_fields/mask"][()])
+                    check_field("reynolds", b["reynolds"][r, ...], np.asarray(f["scalars/Reynolds"][()]))
+        assert len(seen) == n and set(seen.values()) == {1}, "every WellDataset window once"
+
+    daemon = start_daemon(allowed_roots=[tmp_path], extra="\n" + toml)
+    named = stoker.Loader("shear_flow", batch_size=4, shuffle=True, seed=0, socket=daemon.socket)
+    check(named)
+    monkeypatch.setenv("STOKER_SOCKET", daemon.socket)
+    scope: dict[str, Any] = {"stoker": stoker}
+    exec(python, scope)
+    check(scope["loader"])
+    assert scope["loader"].fields["velocity_in"][1] == (n_in, 6, 5, 2)
