@@ -181,6 +181,7 @@ fn bad_dataset_names_the_file_and_field_and_the_daemon_keeps_serving() {
             fields: vec![("y".into(), "missing/path".into())],
             window: None,
             per_item: vec![],
+            transforms: vec![],
         },
         ..open(4, 0, 1, false)
     };
@@ -240,6 +241,7 @@ fn fuzzed_requests_never_take_the_daemon_down() {
                     fields: vec![("x".into(), "x".into())],
                     window: Some((e, f)),
                     per_item: vec![],
+                    transforms: vec![],
                 },
                 _ => DatasetRef::Named("parts".into()),
             };
