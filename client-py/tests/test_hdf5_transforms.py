@@ -188,7 +188,7 @@ def test_bad_steps_are_refused_naming_field_and_step(
         ({"x": [{"cast": "complex64"}]}, "complex64"),
         ({"y": [{"normalize": {"mean": [1, 2], "std": [1, 1]}}]}, "normalize"),
         ({"y": [{"normalize": {"stats": str(tmp_path / "none.yaml")}}]}, "none.yaml"),
-        ({"y": [{"resize": 4}]}, "resize"),
+        ({"y": [{"downsample": 7}]}, "downsample by 7"),
     ]
     for transforms, step in cases:
         field = next(iter(transforms))

@@ -444,7 +444,7 @@ impl Chain {
                     if let (Some(hh), Some(ww)) = (h, w)
                         && (*height > hh || *width > ww)
                     {
-                        return Err(input(format!("cannot crop {height}×{width} from {hh}×{ww}")));
+                        return Err(input(format!("{}: cannot crop {height}×{width} from {hh}×{ww}", step.describe())));
                     }
                     (h, w) = (Some(*height), Some(*width));
                 }

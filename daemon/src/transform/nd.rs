@@ -323,7 +323,7 @@ impl Chain {
                         && (*height > hh || *width > ww)
                     {
                         return Err(input(format!(
-                            "{} cannot crop {height}×{width} from {hh}×{ww} (axes {y} and {x} of {})",
+                            "{}: cannot crop {height}×{width} from {hh}×{ww} (axes {y} and {x} of {})",
                             step.describe(),
                             fmt_shape(&shape)
                         )));
