@@ -579,6 +579,12 @@ mod fuzz {
                 fields: vec![("x".into(), "x".into())],
                 window: Some((batch_size, step)),
                 per_item: vec![],
+                transforms: vec![FieldTransforms {
+                    field: "x".into(),
+                    steps: vec![TransformDef::Rot90, TransformDef::Cast { dtype: "float32".into() }],
+                    pair: None,
+                    spatial_axes: Some([-2, -1]),
+                }],
             },
             batch_size,
             shuffle: true,
