@@ -122,9 +122,8 @@ fn dataset_ref(spec: &Bound<'_, PyTuple>) -> PyResult<DatasetRef> {
                 ..=5 => Vec::new(),
                 _ => {
                     let json: String = spec.get_item(5)?.extract()?;
-                    serde_json::from_str(&json).map_err(|e| {
-                        pyo3::exceptions::PyValueError::new_err(format!("invalid HDF5 transforms: {e}"))
-                    })?
+                    serde_json::from_str(&json)
+                        .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("invalid HDF5 transforms: {e}")))?
                 }
             },
         }),

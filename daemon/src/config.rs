@@ -253,7 +253,8 @@ pub struct Hdf5DatasetConfig {
 impl Hdf5DatasetConfig {
     /// The `transforms`, `pair` and `spatial_axes` tables, one entry per field they name.
     pub fn field_transforms(&self) -> Vec<stoker_proto::FieldTransforms> {
-        let mut names: Vec<&String> = self.transforms.keys().chain(self.pair.keys()).chain(self.spatial_axes.keys()).collect();
+        let mut names: Vec<&String> =
+            self.transforms.keys().chain(self.pair.keys()).chain(self.spatial_axes.keys()).collect();
         names.sort();
         names.dedup();
         names

@@ -573,7 +573,9 @@ fn step(t: &TransformDef, field: &str) -> Result<Step, String> {
         },
         TransformDef::Hflip => Step::RandomHFlip,
         TransformDef::ToF32 { scale } => Step::ToF32 { scale: scale.unwrap_or(1.0) },
-        TransformDef::Normalize { mean, std, stats: None, .. } => Step::Normalize { mean: mean.clone(), std: std.clone() },
+        TransformDef::Normalize { mean, std, stats: None, .. } => {
+            Step::Normalize { mean: mean.clone(), std: std.clone() }
+        }
         TransformDef::Normalize { mean, std, stats: Some(stats), key } => {
             if !mean.is_empty() || !std.is_empty() {
                 return Err(format!("normalize takes mean and std, or stats, not both (stats = {stats:?})"));
@@ -587,9 +589,9 @@ fn step(t: &TransformDef, field: &str) -> Result<Step, String> {
         TransformDef::Vflip => Step::RandomVFlip,
         TransformDef::Rot90 => Step::RandomRot90,
         TransformDef::Cast { dtype } => Step::Cast { dtype: parse_dtype(dtype)? },
-        TransformDef::Permute { axes } => Step::Permute {
-            axes: axes.iter().map(|&a| usize::try_from(a).unwrap_or(usize::MAX)).collect(),
-        },
+        TransformDef::Permute { axes } => {
+            Step::Permute { axes: axes.iter().map(|&a| usize::try_from(a).unwrap_or(usize::MAX)).collect() }
+        }
         TransformDef::Downsample { factor, mode } => Step::Downsample {
             factor: *factor,
             mean: match mode.as_deref() {

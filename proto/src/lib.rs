@@ -19,8 +19,8 @@ pub use layout::{
 };
 pub use message::{
     BatchReady, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, DatasetSkips, DatasetStatus, ErrorKind,
-    FieldTransforms, LmdbDataset, LmdbFieldDef, OpenStream, PairDef, Request, Response, StatusReport, StreamInfo, StreamStatus,
-    TransformDef, WorkerStatus,
+    FieldTransforms, LmdbDataset, LmdbFieldDef, OpenStream, PairDef, Request, Response, StatusReport, StreamInfo,
+    StreamStatus, TransformDef, WorkerStatus,
 };
 pub use steps::{step_from_json, step_names};
 

@@ -33,7 +33,8 @@ pub fn step_from_json(step: &Value) -> Result<TransformDef, String> {
         }
         other => other.clone(),
     };
-    serde_json::from_value(expanded).map_err(|e| format!("transform {step}: {e} (the steps are {})", step_names().join(", ")))
+    serde_json::from_value(expanded)
+        .map_err(|e| format!("transform {step}: {e} (the steps are {})", step_names().join(", ")))
 }
 
 /// The step names, as serde spells [`TransformDef`]'s variants.
@@ -42,7 +43,10 @@ pub fn step_names() -> Vec<String> {
     let err = serde_json::from_value::<TransformDef>(json!("\u{0}")).expect_err("no step has that name");
     let text = err.to_string();
     let list = text.split("expected one of ").nth(1).unwrap_or_default();
-    list.split(", ").map(|v| v.trim_matches(|c: char| c == '`' || c.is_whitespace()).to_string()).filter(|v| !v.is_empty()).collect()
+    list.split(", ")
+        .map(|v| v.trim_matches(|c: char| c == '`' || c.is_whitespace()).to_string())
+        .filter(|v| !v.is_empty())
+        .collect()
 }
 
 #[cfg(test)]

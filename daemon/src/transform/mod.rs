@@ -273,9 +273,13 @@ impl Chain {
                     }
                 }
                 Step::NormalizeFrom { stats, .. } => {
-                    return Err(invalid(format!("the statistics of {stats:?} were not read (a bug; please report it)")));
+                    return Err(invalid(format!(
+                        "the statistics of {stats:?} were not read (a bug; please report it)"
+                    )));
                 }
-                Step::Downsample { factor: 0, .. } => return Err(invalid("downsample factor must be at least 1".into())),
+                Step::Downsample { factor: 0, .. } => {
+                    return Err(invalid("downsample factor must be at least 1".into()));
+                }
                 Step::ToChw if chw => return Err(invalid("to_chw appears twice".into())),
                 Step::ToChw => chw = true,
                 _ => {}

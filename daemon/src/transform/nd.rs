@@ -34,7 +34,10 @@ impl Roles {
         let at = |a: i64| {
             let r = rank as i64;
             let p = if a < 0 { r + a } else { a };
-            (0..r).contains(&p).then_some(p as usize).ok_or_else(|| format!("spatial axis {a} is outside a {rank}-d array"))
+            (0..r)
+                .contains(&p)
+                .then_some(p as usize)
+                .ok_or_else(|| format!("spatial axis {a} is outside a {rank}-d array"))
         };
         let (y, x) = (at(a)?, at(b)?);
         if y == x {
@@ -152,7 +155,11 @@ fn write(dtype: DType, v: Num, out: &mut [u8]) {
 enum Op {
     /// `x * mul + add` as float32; the coefficients are indexed by the
     /// elements' coordinates along `ids` (data axes, see [`NdView::ids`]).
-    Affine { ids: Vec<usize>, dims: Vec<u64>, coefficients: Vec<(f64, f64)> },
+    Affine {
+        ids: Vec<usize>,
+        dims: Vec<u64>,
+        coefficients: Vec<(f64, f64)>,
+    },
     Cast(DType),
 }
 
@@ -235,7 +242,11 @@ fn write_out(src: &[u8], view: &NdView, ops: &[Op], out: DType, dst: &mut [u8]) 
     if ops.is_empty() && rank > 0 && view.strides[rank - 1] == 1 {
         // Whole rows at a time.
         let row = view.shape[rank - 1] as usize * size;
-        let outer = NdView { shape: view.shape[..rank - 1].to_vec(), strides: view.strides[..rank - 1].to_vec(), ..view.clone() };
+        let outer = NdView {
+            shape: view.shape[..rank - 1].to_vec(),
+            strides: view.strides[..rank - 1].to_vec(),
+            ..view.clone()
+        };
         let mut chunks = dst.chunks_exact_mut(row.max(1));
         for_each(&outer, |at, _| {
             let from = at as usize * size;

@@ -403,13 +403,18 @@ fn cast_follows_numpy_astype() {
 #[test]
 fn permute_and_chw_on_more_dimensions() {
     // [2, 3, 4] with value 100a + 10b + c; permute [2, 0, 1] gives out[c, a, b].
-    let input: Vec<u8> = (0..2).flat_map(|a| (0..3).flat_map(move |b| (0..4).map(move |c| 100 * a + 10 * b + c))).collect();
+    let input: Vec<u8> =
+        (0..2).flat_map(|a| (0..3).flat_map(move |b| (0..4).map(move |c| 100 * a + 10 * b + c))).collect();
     let out = u8s_run(vec![Step::Permute { axes: vec![2, 0, 1] }], &input, &[2, 3, 4], KEY);
-    let want: Vec<u8> = (0..4).flat_map(|c| (0..2).flat_map(move |a| (0..3).map(move |b| 100 * a + 10 * b + c))).collect();
+    let want: Vec<u8> =
+        (0..4).flat_map(|c| (0..2).flat_map(move |a| (0..3).map(move |b| 100 * a + 10 * b + c))).collect();
     assert_eq!(out, want);
     // [t, h, w, c] → chw moves c before the spatial axes: [t, c, h, w].
     let c = chain(vec![Step::Cast { dtype: DType::U8 }, Step::ToChw]);
-    assert_eq!(c.output(DType::U8, &[Some(2), Some(3), Some(4), Some(5)]).unwrap().1, vec![Some(2), Some(5), Some(3), Some(4)]);
+    assert_eq!(
+        c.output(DType::U8, &[Some(2), Some(3), Some(4), Some(5)]).unwrap().1,
+        vec![Some(2), Some(5), Some(3), Some(4)]
+    );
     assert!(Chain::new("x", vec![Step::Permute { axes: vec![0, 0] }], None).is_err());
     assert!(chain(vec![Step::Permute { axes: vec![1, 0] }]).output(DType::U8, &[Some(2), Some(2), Some(2)]).is_err());
 }

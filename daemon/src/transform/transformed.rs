@@ -84,7 +84,11 @@ impl Transformed {
                     names[i], pair.with
                 )));
             };
-            chain.as_ref().expect("paired fields have chains").check_pair(leader).map_err(|e| spec_err(e.to_string()))?;
+            chain
+                .as_ref()
+                .expect("paired fields have chains")
+                .check_pair(leader)
+                .map_err(|e| spec_err(e.to_string()))?;
             leaders[i] = Some(at);
         }
         let mut fields = inner.fields().to_vec();
