@@ -27,6 +27,8 @@ pub struct FieldChain {
 #[derive(Debug)]
 pub struct Transformed {
     inner: Arc<dyn Source>,
+    /// The dataset, for messages.
+    label: String,
     fields: Vec<FieldSpec>,
     /// Per field of the inner source: its chain, if any.
     chains: Vec<Option<Chain>>,
@@ -105,7 +107,14 @@ impl Transformed {
             field.dtype = dtype;
             field.shape = shape.into_iter().map(|d| d.expect("a known shape stays known")).collect();
         }
-        Ok(Transformed { inner, fields, chains: built, leaders, workers: Mutex::new(Vec::new()) })
+        Ok(Transformed {
+            inner,
+            label: label.to_string(),
+            fields,
+            chains: built,
+            leaders,
+            workers: Mutex::new(Vec::new()),
+        })
     }
 
     /// The source beneath.
@@ -172,8 +181,8 @@ impl Transformed {
             let leader = self.leaders[i].map(|l| inner_fields[l].shape.as_slice());
             let input = ArrayRef { bytes: read[i].as_slice(), dtype: spec.dtype, shape: &spec.shape };
             chain.apply(input, key, leader, scratch, dst.data).map_err(|e| SourceError::Spec {
-                pattern: format!("sample {}", sample.index),
-                message: e.to_string(),
+                pattern: self.label.clone(),
+                message: format!("sample {}: {e}", sample.index),
             })?;
         }
         Ok(())
