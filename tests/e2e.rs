@@ -182,6 +182,7 @@ fn bad_dataset_names_the_file_and_field_and_the_daemon_keeps_serving() {
             window: None,
             per_item: vec![],
             sampling: Default::default(),
+            transforms: vec![],
         },
         ..open(4, 0, 1, false)
     };
@@ -249,6 +250,7 @@ fn fuzzed_requests_never_take_the_daemon_down() {
                         output: vec!["x".into()],
                         ..Default::default()
                     }),
+                    transforms: vec![],
                 },
                 _ => DatasetRef::Named("parts".into()),
             };

@@ -106,8 +106,8 @@ fn typenum(dtype: DType) -> c_int {
     t as c_int
 }
 
-/// Extracts `("name", NAME)`, `("hdf5", GLOB, [(field, path), ...], (size, stride) | None, [per_item...][, SAMPLING])`
-/// (SAMPLING: JSON of `stoker_proto::Hdf5Sampling`)
+/// Extracts `("name", NAME)`, `("hdf5", GLOB, [(field, path), ...], (size, stride) | None, [per_item...][, SAMPLING[, TRANSFORMS]])`
+/// (SAMPLING: JSON of `stoker_proto::Hdf5Sampling` or None; TRANSFORMS: JSON of a list of `stoker_proto::FieldTransforms`)
 /// or `("lmdb", JSON)` (JSON of `stoker_proto::LmdbDataset`, built by `stoker.lmdb`).
 fn dataset_ref(spec: &Bound<'_, PyTuple>) -> PyResult<DatasetRef> {
     let kind: String = spec.get_item(0)?.extract()?;
@@ -118,7 +118,7 @@ fn dataset_ref(spec: &Bound<'_, PyTuple>) -> PyResult<DatasetRef> {
             fields: spec.get_item(2)?.extract()?,
             window: spec.get_item(3)?.extract()?,
             per_item: spec.get_item(4)?.extract()?,
-            sampling: match spec.len() > 5 {
+            sampling: match spec.len() > 5 && !spec.get_item(5)?.is_none() {
                 true => {
                     let json: String = spec.get_item(5)?.extract()?;
                     Box::new(serde_json::from_str(&json).map_err(|e| {
@@ -126,6 +126,14 @@ fn dataset_ref(spec: &Bound<'_, PyTuple>) -> PyResult<DatasetRef> {
                     })?)
                 }
                 false => Default::default(),
+            },
+            transforms: match spec.len() > 6 && !spec.get_item(6)?.is_none() {
+                false => Vec::new(),
+                true => {
+                    let json: String = spec.get_item(6)?.extract()?;
+                    serde_json::from_str(&json)
+                        .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("invalid HDF5 transforms: {e}")))?
+                }
             },
         }),
         "lmdb" => {
@@ -332,6 +340,24 @@ fn slot_array<'py>(
     }
 }
 
+/// Checks and expands transform steps: takes a JSON list of steps in any
+/// accepted form and returns the JSON list in the daemon's form, or raises
+/// `ValueError` naming the bad step. The step set is `stoker_proto::TransformDef`.
+#[pyfunction]
+fn parse_steps(steps: &str) -> PyResult<String> {
+    let value: serde_json::Value = serde_json::from_str(steps)
+        .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("transforms are not JSON: {e}")))?;
+    let serde_json::Value::Array(items) = value else {
+        return Err(pyo3::exceptions::PyValueError::new_err("transforms must be a list of steps"));
+    };
+    let parsed = items
+        .iter()
+        .map(stoker_client::proto::step_from_json)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(pyo3::exceptions::PyValueError::new_err)?;
+    serde_json::to_string(&parsed).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -347,5 +373,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DEFAULT_SOCKET", stoker_client::proto::DEFAULT_SOCKET)?;
     m.add("SOCKET_ENV", stoker_client::proto::SOCKET_ENV)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(parse_steps, m)?)?;
+    m.add("TRANSFORM_STEPS", stoker_client::proto::step_names())?;
     Ok(())
 }

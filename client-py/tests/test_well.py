@@ -315,3 +315,35 @@ def test_the_well_guide_config_and_python_match_welldataset(start_daemon, stoker
     exec(python, scope)
     check(scope["loader"])
     assert scope["loader"].fields["velocity_in"][1] == (n_in, 6, 5, 2)
+
+
+def test_split_windows_normalized_and_channels_first_equal_numpy(start_daemon, stoker, tmp_path: Path) -> None:
+    """The whole Well pipeline in the daemon: a split window, per-component
+    normalization and channels-first, equal to numpy on h5py's arrays."""
+    path = tmp_path / "w.hdf5"
+    rng = np.random.default_rng(4)
+    vel = rng.standard_normal((3, 9, 6, 5, 2)).astype(np.float32)
+    with h5py.File(path, "w") as f:
+        f["t1_fields/velocity"] = vel
+    mean, std = [0.25, -1.0], [2.0, 0.5]
+    norm = {"normalize": {"mean": mean, "std": std}}
+    spec = stoker.hdf5(
+        str(path),
+        fields={"x": "t1_fields/velocity", "y": "t1_fields/velocity"},
+        window={"n_steps_input": 3, "n_steps_output": 2},
+        input=["x"],
+        output=["y"],
+        transforms={"x": [norm, "chw"], "y": [norm, "chw"]},
+    )
+    d = start_daemon()
+    loader = stoker.Loader(spec, batch_size=4, shuffle=False, socket=d.socket)
+    per = 9 - 5 + 1
+    got = [(x, y) for b in loader for x, y in zip(b["x"], b["y"])]
+    assert len(got) == 3 * per
+    for i, (x, y) in enumerate(got):
+        traj, t = divmod(i, per)
+        w = ((vel[traj, t : t + 5] - np.float32(mean)) / np.float32(std)).transpose(0, 3, 1, 2)
+        assert x.shape == (3, 2, 6, 5) and y.shape == (2, 2, 6, 5)
+        np.testing.assert_allclose(x, w[:3], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(y, w[3:], rtol=1e-6, atol=1e-6)
+    loader.close()

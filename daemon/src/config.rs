@@ -249,6 +249,34 @@ pub struct Hdf5DatasetConfig {
     /// constants), delivered whole with every sample of their file.
     #[serde(default)]
     pub constant: Vec<String>,
+    /// Field name → transform steps run in the daemon (the steps of an LMDB field's `transforms`).
+    #[serde(default)]
+    pub transforms: BTreeMap<String, Vec<stoker_proto::TransformDef>>,
+    /// Field name → `{ with = "other", scale = 1 }`: draw random crops and flips with field `other`.
+    #[serde(default)]
+    pub pair: BTreeMap<String, stoker_proto::PairDef>,
+    /// Field name → the two axes of its sample that spatial steps act on (default: see docs/python.md).
+    #[serde(default)]
+    pub spatial_axes: BTreeMap<String, [i64; 2]>,
+}
+
+impl Hdf5DatasetConfig {
+    /// The `transforms`, `pair` and `spatial_axes` tables, one entry per field they name.
+    pub fn field_transforms(&self) -> Vec<stoker_proto::FieldTransforms> {
+        let mut names: Vec<&String> =
+            self.transforms.keys().chain(self.pair.keys()).chain(self.spatial_axes.keys()).collect();
+        names.sort();
+        names.dedup();
+        names
+            .into_iter()
+            .map(|name| stoker_proto::FieldTransforms {
+                field: name.clone(),
+                steps: self.transforms.get(name).cloned().unwrap_or_default(),
+                pair: self.pair.get(name).cloned(),
+                spatial_axes: self.spatial_axes.get(name).copied(),
+            })
+            .collect()
+    }
 }
 
 impl Hdf5DatasetConfig {
@@ -720,9 +748,20 @@ impl Config {
         use crate::source::SourceError;
         use crate::source::hdf5::{self, Hdf5Source, OpenFiles};
         let spec = ds.spec(self.hdf5.fast_path);
+        let mut chains = match crate::dataset::field_chains(&ds.field_transforms()) {
+            Ok(chains) => chains,
+            Err(message) => return Some((vec!["transforms".to_string()], message)),
+        };
         let opened = hdf5::check_files(&spec, None).and_then(|files| {
             let cache = std::sync::Arc::new(crate::cache::ChunkCache::new(0));
-            Hdf5Source::open(&spec, files, cache, OpenFiles::new(self.limits.max_open_files))
+            let source = Hdf5Source::open(&spec, files, cache, OpenFiles::new(self.limits.max_open_files))?;
+            if chains.is_empty() {
+                return Ok(());
+            }
+            crate::dataset::load_stats(chains.iter_mut().flat_map(|c| c.steps.iter_mut()), None)?;
+            let source: std::sync::Arc<dyn crate::source::Source> = std::sync::Arc::new(source);
+            crate::transform::transformed::Transformed::new(source, &chains, &spec.files, self.limits.max_sample_bytes)
+                .map(drop)
         });
         let e = opened.err()?;
         let at = match &e {
@@ -743,6 +782,9 @@ impl Config {
             Err((_, message)) => return Some((Vec::new(), message)),
         };
         spec.max_value_bytes = self.limits.max_sample_bytes;
+        if let Err(e) = crate::dataset::load_stats(spec.fields.iter_mut().flat_map(|f| f.transforms.iter_mut()), None) {
+            return Some((Vec::new(), e.to_string()));
+        }
         let e = LmdbSource::open(&spec).err()?;
         let field_at = |i: usize| vec!["fields".to_string(), i.to_string()];
         let at = match &e {

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
-use stoker_proto::{DatasetInfo, DatasetRef, DatasetStatus, ErrorKind, LmdbDataset, TransformDef};
+use stoker_proto::{DatasetInfo, DatasetRef, DatasetStatus, ErrorKind, FieldTransforms, LmdbDataset, TransformDef};
 
 use crate::cache::ChunkCache;
 use crate::codec::{Codec, Convert, RawLayout};
@@ -22,6 +22,7 @@ use crate::fsaccess::{self, AccessError, CheckedLmdb, FileId, Peer, Rights, Want
 use crate::source::hdf5::{self, Hdf5Source, Hdf5Spec, OpenFiles, Window};
 use crate::source::lmdb::{KeyFilter, LmdbField, LmdbSource, LmdbSpec, OnError};
 use crate::source::{Source, SourceError};
+use crate::transform::transformed::{FieldChain, Transformed};
 use crate::transform::{Filter, Pair, Step};
 
 /// Idle sources (no open stream) kept open for the next stream that wants them.
@@ -62,7 +63,7 @@ pub struct Datasets {
 }
 
 enum Resolved {
-    Hdf5(Hdf5Spec),
+    Hdf5(Hdf5Spec, Vec<FieldChain>),
     Lmdb(LmdbSpec),
 }
 
@@ -121,7 +122,7 @@ impl Datasets {
             spec.max_value_bytes = settings.limits.max_sample_bytes;
         }
         let key = match &resolved {
-            Resolved::Hdf5(spec) => format!("hdf5 {spec:?}"),
+            Resolved::Hdf5(spec, chains) => format!("hdf5 {spec:?} {chains:?}"),
             Resolved::Lmdb(spec) => format!("lmdb {spec:?}"),
         };
         let rights = match dataset {
@@ -129,10 +130,15 @@ impl Datasets {
             _ => Rights::Client(*peer),
         };
         let roots = (!matches!(dataset, DatasetRef::Named(_))).then_some(settings.allowed_roots.as_slice());
-        let files = fsaccess::with_rights(rights, || open_files(&resolved, roots))
-            .map_err(|e| refuse(e.into()))?
-            .map_err(refuse)?;
-        let ids = files.ids();
+        let (files, stats_ids) = fsaccess::with_rights(rights, || {
+            let files = open_files(&resolved, roots)?;
+            let stats = load_stats(resolved.steps_mut(), roots)?;
+            Ok::<_, SourceError>((files, stats))
+        })
+        .map_err(|e| refuse(e.into()))?
+        .map_err(refuse)?;
+        let mut ids = files.ids();
+        ids.extend(stats_ids);
         // A poisoned source (its file found truncated or corrupt) is opened afresh.
         if let Some(entry) = self.lock().get_mut(&key)
             && entry.ids == ids
@@ -142,9 +148,20 @@ impl Datasets {
             return Ok(Opened { label, source: entry.opened.source.clone() });
         }
         let source: Arc<dyn Source> = match (resolved, files) {
-            (Resolved::Hdf5(spec), Files::Hdf5(files)) => Arc::new(
-                Hdf5Source::open(&spec, files, self.chunk_cache.clone(), self.open_files.clone()).map_err(refuse)?,
-            ),
+            (Resolved::Hdf5(spec, chains), Files::Hdf5(files)) => {
+                let source: Arc<dyn Source> = Arc::new(
+                    Hdf5Source::open(&spec, files, self.chunk_cache.clone(), self.open_files.clone())
+                        .map_err(refuse)?,
+                );
+                if chains.is_empty() {
+                    source
+                } else {
+                    Arc::new(
+                        Transformed::new(source, &chains, &spec.files, settings.limits.max_sample_bytes)
+                            .map_err(refuse)?,
+                    )
+                }
+            }
             (Resolved::Lmdb(spec), Files::Lmdb(checked, _)) => {
                 Arc::new(LmdbSource::open_checked(&spec, &checked).map_err(refuse)?)
             }
@@ -248,7 +265,10 @@ impl Datasets {
         let settings = self.settings();
         match dataset {
             DatasetRef::Named(name) => match settings.datasets.get(name) {
-                Some(DatasetConfig::Hdf5(ds)) => Ok((name.clone(), Resolved::Hdf5(self.hdf5_named(ds)))),
+                Some(DatasetConfig::Hdf5(ds)) => {
+                    let chains = field_chains(&ds.field_transforms()).map_err(|e| (ErrorKind::Dataset, e))?;
+                    Ok((name.clone(), Resolved::Hdf5(self.hdf5_named(ds), chains)))
+                }
                 Some(DatasetConfig::Lmdb(ds)) => Ok((name.clone(), Resolved::Lmdb(lmdb_spec(ds, None)?))),
                 None => {
                     let known: Vec<_> = settings.datasets.keys().collect();
@@ -260,7 +280,7 @@ impl Datasets {
                     ))
                 }
             },
-            DatasetRef::Hdf5 { files, fields, window, per_item, sampling } => {
+            DatasetRef::Hdf5 { files, fields, window, per_item, sampling, transforms } => {
                 self.check_ad_hoc()?;
                 if !Path::new(files).is_absolute() {
                     return Err((ErrorKind::Dataset, format!("ad-hoc dataset path {files:?} must be absolute")));
@@ -279,7 +299,8 @@ impl Datasets {
                     fast_path: self.settings().hdf5_fast_path,
                     sampling: sampling.as_ref().clone(),
                 };
-                Ok((files.clone(), Resolved::Hdf5(spec)))
+                let chains = field_chains(transforms).map_err(|e| (ErrorKind::Dataset, e))?;
+                Ok((files.clone(), Resolved::Hdf5(spec, chains)))
             }
             DatasetRef::Lmdb(ds) => {
                 self.check_ad_hoc()?;
@@ -368,7 +389,7 @@ fn max_open_files(configured: usize) -> usize {
 /// Opens every file of the dataset by handle (run with the requester's rights).
 fn open_files(resolved: &Resolved, roots: Option<&[PathBuf]>) -> Result<Files, SourceError> {
     match resolved {
-        Resolved::Hdf5(spec) => hdf5::check_files(spec, roots).map(Files::Hdf5),
+        Resolved::Hdf5(spec, _) => hdf5::check_files(spec, roots).map(Files::Hdf5),
         Resolved::Lmdb(spec) => {
             let mut checked = CheckedLmdb::default();
             let mut ids = Vec::new();
@@ -448,7 +469,8 @@ pub fn lmdb_spec(ds: &LmdbDataset, allowed_roots: Option<Vec<PathBuf>>) -> Resul
                 Codec::parse(&f.codec, raw).map_err(|e| field_err(e.to_string()))?
             }
         };
-        let transforms = f.transforms.iter().map(step).collect::<Result<Vec<_>, _>>().map_err(field_err)?;
+        let transforms =
+            f.transforms.iter().map(|t| step(t, &f.name)).collect::<Result<Vec<_>, _>>().map_err(field_err)?;
         fields.push(LmdbField {
             name: f.name.clone(),
             env: PathBuf::from(&f.env),
@@ -478,7 +500,74 @@ pub fn lmdb_spec(ds: &LmdbDataset, allowed_roots: Option<Vec<PathBuf>>) -> Resul
     Ok(spec)
 }
 
-fn step(t: &TransformDef) -> Result<Step, String> {
+impl Resolved {
+    /// Every transform step of the dataset, to fill in statistics read from files.
+    fn steps_mut(&mut self) -> impl Iterator<Item = &mut Step> {
+        let (hdf5, lmdb) = match self {
+            Resolved::Hdf5(_, chains) => (Some(chains), None),
+            Resolved::Lmdb(spec) => (None, Some(&mut spec.fields)),
+        };
+        let hdf5 = hdf5.into_iter().flatten().flat_map(|c| c.steps.iter_mut());
+        let lmdb = lmdb.into_iter().flatten().flat_map(|f| f.transforms.iter_mut());
+        hdf5.chain(lmdb)
+    }
+}
+
+/// The transforms of an HDF5 dataset's fields, converted (errors name the field and step).
+pub fn field_chains(defs: &[FieldTransforms]) -> Result<Vec<FieldChain>, String> {
+    defs.iter()
+        .map(|d| {
+            let steps = d
+                .steps
+                .iter()
+                .map(|t| step(t, &d.field))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| format!("field {:?}: {e}", d.field))?;
+            Ok(FieldChain {
+                field: d.field.clone(),
+                steps,
+                pair: d.pair.as_ref().map(|p| Pair { with: p.with.clone(), scale: p.scale }),
+                spatial_axes: d.spatial_axes,
+            })
+        })
+        .collect()
+}
+
+/// Reads the statistics files that `normalize` steps name (opened by handle,
+/// beneath `roots` when given: run it with the requester's rights) and puts
+/// their values in place of the steps; the files' identities.
+pub fn load_stats<'a>(
+    steps: impl Iterator<Item = &'a mut Step>,
+    roots: Option<&[PathBuf]>,
+) -> Result<Vec<FileId>, SourceError> {
+    use std::io::Read;
+    let mut ids = Vec::new();
+    for step in steps {
+        let Step::NormalizeFrom { stats, key } = step else { continue };
+        let bad = |message: String| SourceError::Spec { pattern: stats.clone(), message };
+        let opened = fsaccess::open(Path::new(stats.as_str()), roots, Want::File)?;
+        if opened.id.size > crate::transform::stats::MAX_STATS_BYTES {
+            return Err(bad(format!(
+                "the statistics file has {} bytes, more than {}; is it the right file?",
+                opened.id.size,
+                crate::transform::stats::MAX_STATS_BYTES
+            )));
+        }
+        let mut text = String::new();
+        opened
+            .file
+            .take(crate::transform::stats::MAX_STATS_BYTES)
+            .read_to_string(&mut text)
+            .map_err(|e| bad(format!("cannot read the statistics file: {e}")))?;
+        ids.push(opened.id);
+        *step = crate::transform::stats::normalize_step(&text, stats, key).map_err(bad)?;
+    }
+    Ok(ids)
+}
+
+/// One step of the wire/config form as the engine runs it (`field` is the
+/// default entry of a statistics file).
+fn step(t: &TransformDef, field: &str) -> Result<Step, String> {
     Ok(match t {
         TransformDef::CenterCrop { height, width } => Step::CenterCrop { height: *height, width: *width },
         TransformDef::RandomCrop { height, width } => Step::RandomCrop { height: *height, width: *width },
@@ -497,7 +586,69 @@ fn step(t: &TransformDef) -> Result<Step, String> {
         },
         TransformDef::Hflip => Step::RandomHFlip,
         TransformDef::ToF32 { scale } => Step::ToF32 { scale: scale.unwrap_or(1.0) },
-        TransformDef::Normalize { mean, std } => Step::Normalize { mean: mean.clone(), std: std.clone() },
+        TransformDef::Normalize { mean, std, stats: None, .. } => {
+            Step::Normalize { mean: mean.clone(), std: std.clone() }
+        }
+        TransformDef::Normalize { mean, std, stats: Some(stats), key } => {
+            if !mean.is_empty() || !std.is_empty() {
+                return Err(format!("normalize takes mean and std, or stats, not both (stats = {stats:?})"));
+            }
+            if !Path::new(stats).is_absolute() {
+                return Err(format!("normalize stats path {stats:?} must be absolute"));
+            }
+            Step::NormalizeFrom { stats: stats.clone(), key: key.clone().unwrap_or_else(|| field.to_string()) }
+        }
         TransformDef::Chw => Step::ToChw,
+        TransformDef::Vflip => Step::RandomVFlip,
+        TransformDef::Rot90 => Step::RandomRot90,
+        TransformDef::Cast { dtype } => Step::Cast { dtype: parse_dtype(dtype)? },
+        TransformDef::Permute { axes } => {
+            Step::Permute { axes: axes.iter().map(|&a| usize::try_from(a).unwrap_or(usize::MAX)).collect() }
+        }
+        TransformDef::Downsample { factor, mode } => Step::Downsample {
+            factor: *factor,
+            mean: match mode.as_deref() {
+                None | Some("mean") => true,
+                Some("stride") => false,
+                Some(other) => return Err(format!("downsample mode {other:?}: use \"mean\" or \"stride\"")),
+            },
+        },
+    })
+}
+
+/// A dtype by numpy's name (`"float32"`, `"f4"`, `"uint8"`, ...).
+fn parse_dtype(name: &str) -> Result<stoker_proto::DType, String> {
+    use stoker_proto::DType;
+    let all = [
+        DType::Bool,
+        DType::U8,
+        DType::U16,
+        DType::U32,
+        DType::U64,
+        DType::I8,
+        DType::I16,
+        DType::I32,
+        DType::I64,
+        DType::F16,
+        DType::F32,
+        DType::F64,
+    ];
+    let short = |d: DType| match d {
+        DType::Bool => "?",
+        DType::U8 => "u1",
+        DType::U16 => "u2",
+        DType::U32 => "u4",
+        DType::U64 => "u8",
+        DType::I8 => "i1",
+        DType::I16 => "i2",
+        DType::I32 => "i4",
+        DType::I64 => "i8",
+        DType::F16 => "f2",
+        DType::F32 => "f4",
+        DType::F64 => "f8",
+    };
+    all.into_iter().find(|&d| d.numpy_name() == name || short(d) == name).ok_or_else(|| {
+        let names: Vec<&str> = all.iter().map(|d| d.numpy_name()).collect();
+        format!("cast to {name:?}: use one of {names:?}")
     })
 }

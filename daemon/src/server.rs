@@ -702,9 +702,10 @@ impl Connection {
             }
             Request::Next { .. } => Response::Error {
                 kind: ErrorKind::Version,
-                message: "Next is not part of protocol 4: batches are handed over through the stream's control \
+                message:
+                    "Next is not part of protocols 4 and later: batches are handed over through the stream's control \
                           page; install matching versions of the stoker client and daemon"
-                    .into(),
+                        .into(),
             },
             Request::Wake { stream } => {
                 if let Some(s) = self.streams.get(&stream) {

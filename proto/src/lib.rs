@@ -11,6 +11,7 @@
 pub mod ctrl;
 mod layout;
 mod message;
+mod steps;
 
 pub use layout::{
     BatchLayout, DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_SAMPLE_BYTES, DType, FIELD_ALIGN, FieldDecl, FieldLayout,
@@ -18,12 +19,13 @@ pub use layout::{
 };
 pub use message::{
     BatchReady, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, DatasetSkips, DatasetStatus, ErrorKind,
-    Hdf5Sampling, LmdbDataset, LmdbFieldDef, OpenStream, PairDef, Request, Response, StatusReport, StreamInfo,
-    StreamStatus, TransformDef, WorkerStatus,
+    FieldTransforms, Hdf5Sampling, LmdbDataset, LmdbFieldDef, OpenStream, PairDef, Request, Response, StatusReport,
+    StreamInfo, StreamStatus, TransformDef, WorkerStatus,
 };
+pub use steps::{step_from_json, step_names};
 
 /// Version of the wire protocol; bumped on any incompatible change.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Socket path used when neither `--socket`, `$STOKER_SOCKET` nor a config says otherwise.
 pub const DEFAULT_SOCKET: &str = "/run/stoker/stoker.sock";

@@ -119,6 +119,8 @@ pub enum DatasetRef {
         /// Split windows, step spacing inside a window, constant fields (The
         /// Well's sampling); boxed to keep requests small.
         sampling: Box<Hdf5Sampling>,
+        /// Per-field transforms (fields without an entry are delivered as read).
+        transforms: Vec<FieldTransforms>,
     },
     /// LMDB environments, each field a value codec plus transforms.
     Lmdb(LmdbDataset),
@@ -272,13 +274,64 @@ pub enum TransformDef {
     },
     /// `(x - mean[c]) / std[c]` per channel, as float32.
     Normalize {
-        /// Per-channel means.
+        /// Per-channel means (one value broadcasts to every channel); empty when read from `stats`.
+        #[serde(default)]
         mean: Vec<f32>,
-        /// Per-channel standard deviations.
+        /// Per-channel standard deviations; empty when read from `stats`.
+        #[serde(default)]
         std: Vec<f32>,
+        /// A statistics file (The Well's `stats.yaml`: `mean:` and `std:` maps from field name to
+        /// a number or a nested list) to take `mean` and `std` from, instead of giving them.
+        #[serde(default)]
+        stats: Option<String>,
+        /// The entry of `stats` to use (default: the field's name).
+        #[serde(default)]
+        key: Option<String>,
     },
-    /// `[h, w, c]` → `[c, h, w]`.
+    /// `[h, w, c]` → `[c, h, w]`: the last axis moves to the front.
     Chw,
+    /// Mirror top–bottom with probability 0.5.
+    Vflip,
+    /// Rotate by 0, 90, 180 or 270 degrees (`np.rot90(x, k)` over the spatial axes), `k` uniform.
+    Rot90,
+    /// Convert to `dtype` (numpy's name: `"float32"`, `"uint8"`, ...), as numpy's `astype`.
+    Cast {
+        /// Target element type.
+        dtype: String,
+    },
+    /// Reorder the axes (numpy's `transpose(axes)`).
+    Permute {
+        /// `axes[i]` is the input axis that becomes axis `i`.
+        axes: Vec<u64>,
+    },
+    /// Shrink both spatial axes by an integer factor: `mean` of each block (default) or `stride`.
+    Downsample {
+        /// Block size; the output is `floor(size / factor)` along each spatial axis.
+        factor: u64,
+        /// `"mean"` (default) or `"stride"` (the block's first element).
+        #[serde(default)]
+        mode: Option<String>,
+    },
+}
+
+/// The transforms of one field of an HDF5 dataset (wire and `[datasets.NAME]`
+/// `transforms`/`pair`/`spatial_axes` tables).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FieldTransforms {
+    /// The field.
+    pub field: String,
+    /// Steps in order.
+    #[serde(default)]
+    pub steps: Vec<TransformDef>,
+    /// Draw random crops and flips together with another field.
+    #[serde(default)]
+    pub pair: Option<PairDef>,
+    /// The two axes (of the field's sample as read; negative counts from the end) that spatial
+    /// steps act on; default the first two of a 2-d sample, else the two before the last
+    /// (`[..., height, width, channels]`).
+    #[serde(default)]
+    pub spatial_axes: Option<[i64; 2]>,
 }
 
 /// A message from the daemon to a client.
@@ -579,6 +632,12 @@ mod fuzz {
                 window: Some((batch_size, step)),
                 per_item: vec![],
                 sampling: Box::default(),
+                transforms: vec![FieldTransforms {
+                    field: "x".into(),
+                    steps: vec![TransformDef::Rot90, TransformDef::Cast { dtype: "float32".into() }],
+                    pair: None,
+                    spatial_axes: Some([-2, -1]),
+                }],
             },
             batch_size,
             shuffle: true,

@@ -32,6 +32,7 @@ import numpy as np
 from ._errors import AccessDenied, DaemonUnavailable, DatasetError, LimitError, ProtocolError, StokerError, Timeout
 from ._errors import DeviceUnavailable
 from ._native import DEFAULT_SOCKET, SOCKET_ENV, NativeStream as _NativeStream, __version__
+from ._native import TRANSFORM_STEPS, parse_steps as _parse_steps
 from ._cli import daemon_binary
 from . import _cuda
 
@@ -51,6 +52,7 @@ __all__ = [
     "DeviceUnavailable",
     "__version__",
     "daemon_binary",
+    "TRANSFORM_STEPS",
 ]
 
 #: A batch: field name → array ``[b, ...]``, or a list of per-sample arrays for variable-shape fields.
@@ -67,11 +69,12 @@ class Hdf5Spec:
     per_item: Tuple[str, ...] = ()
     #: The Well's sampling (``stoker_proto::Hdf5Sampling`` as JSON), or None.
     sampling: Optional[str] = None
+    #: JSON list of ``FieldTransforms`` (field, steps, pair, spatial_axes), checked by :func:`hdf5`.
+    transforms: str = "[]"
 
     def _wire(self) -> tuple:
         fields = [(str(k), str(v)) for k, v in self.fields.items()]
-        wire = ("hdf5", self.files, fields, self.window, list(self.per_item))
-        return wire if self.sampling is None else wire + (self.sampling,)
+        return ("hdf5", self.files, fields, self.window, list(self.per_item), self.sampling, self.transforms)
 
 
 _WINDOW_KEYS = {"size", "stride", "n_steps_input", "n_steps_output", "dt_stride", "min_dt_stride", "max_dt_stride"}
@@ -106,6 +109,9 @@ def hdf5(
     fields: Mapping[str, str],
     window: Optional[Mapping[str, int]] = None,
     per_item: Sequence[str] = (),
+    transforms: Optional[Mapping[str, Sequence[Any]]] = None,
+    pair: Optional[Mapping[str, Tuple[str, int]]] = None,
+    spatial_axes: Optional[Mapping[str, Tuple[int, int]]] = None,
     *,
     input: Sequence[str] = (),
     output: Sequence[str] = (),
@@ -133,6 +139,14 @@ def hdf5(
     them. ``constant`` fields have no item axis (``t0_fields/x`` shaped
     ``[x, y]``, a scalar): every sample gets the whole dataset of its file.
 
+    ``transforms`` maps fields to steps run in the daemon (the list in
+    docs/python.md: ``cast``, ``normalize``, ``permute``, ``chw``, crops,
+    ``hflip``/``vflip``/``rot90``, ``downsample``, ...). Spatial steps act on
+    the sample's axes 0 and 1 when it is 2-d, else on the two before the last
+    (``[..., height, width, channels]``); ``spatial_axes={"p": (-2, -1)}``
+    says otherwise. ``pair={"y": ("x", 1)}`` makes ``y``'s random steps draw
+    what ``x``'s draw (input/output windows, LR/HR at scale 4).
+
     The daemon only serves ad-hoc datasets under its configured ``allowed_roots``.
     """
     files = os.path.abspath(os.fspath(files))
@@ -159,7 +173,25 @@ def hdf5(
                 "constant": [str(f) for f in constant],
             }
         )
-    return Hdf5Spec(files, dict(fields), win, tuple(per_item), sampling)
+    named = set(transforms or {}) | set(pair or {}) | set(spatial_axes or {})
+    unknown = named - set(fields)
+    if unknown:
+        raise ValueError(f"transforms/pair/spatial_axes name unknown fields {sorted(unknown)}")
+    defs = []
+    for name in fields:
+        if name not in named:
+            continue
+        p = (pair or {}).get(name)
+        axes = (spatial_axes or {}).get(name)
+        defs.append(
+            {
+                "field": name,
+                "steps": _steps(name, (transforms or {}).get(name, [])),
+                "pair": None if p is None else {"with": p[0], "scale": int(p[1])},
+                "spatial_axes": None if axes is None else [int(a) for a in axes],
+            }
+        )
+    return Hdf5Spec(files, dict(fields), win, tuple(per_item), sampling, json.dumps(defs))
 
 
 @dataclass(frozen=True)
@@ -172,36 +204,38 @@ class LmdbSpec:
         return ("lmdb", json.dumps(self.definition))
 
 
-_TRANSFORM_SIZES = {"center_crop", "random_crop", "resize"}
+def _plain(value: Any) -> Any:
+    """JSON for numpy scalars and arrays in steps (``np.float32(0.5)``, ``np.array(mean)``)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    raise TypeError(f"{value!r} is not a number, string, list or dict")
 
 
-def _transform(step: Any) -> Any:
-    """Normalizes one transform step to the daemon's form.
+def _steps(field: str, steps: Sequence[Any]) -> List[Any]:
+    """Checks one field's transform steps and expands their short forms, in Rust.
 
-    Accepted: ``"hflip"``, ``"chw"``, ``"to_f32"``; ``{"random_crop": 48}``,
-    ``{"random_crop": (h, w)}``, ``{"center_crop": ...}``, ``{"resize": (h, w)}``
-    or ``{"resize": {"height": h, "width": w, "filter": "bicubic"}}``;
-    ``{"to_f32": 1/255}``; ``{"normalize": {"mean": [...], "std": [...]}}``.
+    The step set is the daemon's (``stoker_proto::TransformDef``; names in
+    :data:`TRANSFORM_STEPS`), so this package keeps no copy of it. Accepted:
+    ``"hflip"``, ``"vflip"``, ``"rot90"``, ``"chw"``, ``"to_f32"``;
+    ``{"random_crop": 48}``, ``{"random_crop": (h, w)}``, ``{"center_crop": ...}``,
+    ``{"resize": (h, w)}`` or ``{"resize": {"height": h, "width": w, "filter": "bicubic"}}``;
+    ``{"to_f32": 1/255}``; ``{"cast": "float32"}``; ``{"permute": [2, 0, 1]}``;
+    ``{"downsample": 2}`` or ``{"downsample": {"factor": 2, "mode": "stride"}}``;
+    ``{"normalize": {"mean": [...], "std": [...]}}`` or
+    ``{"normalize": {"stats": "/abs/stats.yaml", "key": "velocity"}}``.
     """
-    if isinstance(step, str):
-        if step == "to_f32":
-            return {"to_f32": {"scale": None}}
-        if step in ("hflip", "chw"):
-            return step
-        raise ValueError(f"unknown transform {step!r}: use hflip, chw, to_f32, or a dict such as {{'random_crop': 48}}")
-    if not isinstance(step, Mapping) or len(step) != 1:
-        raise ValueError(f"a transform is a name or a one-key dict, not {step!r}")
-    (name, arg), = step.items()
-    if name in _TRANSFORM_SIZES:
-        if isinstance(arg, Mapping):
-            return {name: dict(arg)}
-        h, w = (arg, arg) if isinstance(arg, int) else tuple(arg)
-        return {name: {"height": int(h), "width": int(w)}}
-    if name == "to_f32":
-        return {"to_f32": {"scale": None if arg is None else float(arg)}}
-    if name == "normalize":
-        return {"normalize": {"mean": [float(m) for m in arg["mean"]], "std": [float(s) for s in arg["std"]]}}
-    raise ValueError(f"unknown transform {name!r}")
+    if isinstance(steps, (str, Mapping)):
+        raise ValueError(f"field {field!r}: transforms are a list of steps, not {steps!r}")
+    try:
+        text = json.dumps(list(steps), default=_plain)
+    except TypeError as e:
+        raise ValueError(f"field {field!r}: {e}") from None
+    try:
+        return json.loads(_parse_steps(text))
+    except ValueError as e:
+        raise ValueError(f"field {field!r}: {e}") from None
 
 
 def lmdb(
@@ -231,9 +265,10 @@ def lmdb(
     as Pillow's ``Image.open(f).convert("RGB")`` does (modes ``"L"``,
     ``"RGB"``, ``"RGBA"``; ``"unchanged"`` is the default), so mixed gray,
     RGB, RGBA, palette and 16-bit images come out alike, and ``"dtype"``
-    (``"uint8"``, ``"uint16"``, ``"float32"`` in ``[0, 1]``) sets the pixel type. ``transforms`` maps fields to steps run in the daemon
-    (see :func:`_transform` for the forms): crops, resize, random horizontal
-    flip, ``to_f32``, ``normalize``, ``chw``; random steps are deterministic in
+    (``"uint8"``, ``"uint16"``, ``"float32"`` in ``[0, 1]``) sets the pixel
+    type. ``transforms`` maps fields to steps run in the daemon
+    (see :func:`_steps` for the forms): crops, resize, random flips and
+    ``rot90``, ``to_f32``, ``normalize``, ``chw``, ``cast``; random steps are deterministic in
     (seed, epoch, index). ``pair={"hr": ("lr", 4)}`` makes ``hr``'s random
     crops and flips follow ``lr``'s at 4× the size. Fields whose shape varies
     (and no transform fixes) come as lists of arrays, one per sample.
@@ -270,7 +305,7 @@ def lmdb(
                 d["mode"] = codec["mode"]
             if d["shape"] is not None:
                 d["shape"] = [int(x) for x in d["shape"]]
-        d["transforms"] = [_transform(t) for t in (transforms or {}).get(name, [])]
+        d["transforms"] = _steps(name, (transforms or {}).get(name, []))
         p = (pair or {}).get(name)
         d["pair"] = None if p is None else {"with": p[0], "scale": int(p[1])}
         d["max_sample_bytes"] = (max_sample_bytes or {}).get(name)

@@ -7,6 +7,11 @@ import numpy as np
 DEFAULT_SOCKET: str
 SOCKET_ENV: str
 __version__: str
+#: The transform step names, from the daemon's definition (`stoker_proto::TransformDef`).
+TRANSFORM_STEPS: List[str]
+
+def parse_steps(steps: str) -> str:
+    """Checks a JSON list of transform steps (any accepted form); returns it in the daemon's form or raises ValueError."""
 
 from ._errors import (
     AccessDenied as AccessDenied,

@@ -16,7 +16,10 @@
 
 #![forbid(unsafe_code)]
 
+mod nd;
 mod resize;
+pub mod stats;
+pub mod transformed;
 
 use stoker_proto::DType;
 
@@ -62,8 +65,49 @@ pub enum Step {
         /// Per-channel standard deviation.
         std: Vec<f32>,
     },
-    /// Deliver `[c, h, w]` instead of `[h, w, c]` (a `[h, w]` array becomes `[1, h, w]`).
+    /// Deliver `[c, h, w]` instead of `[h, w, c]` (a `[h, w]` array becomes `[1, h, w]`); on other
+    /// arrays the channel axis (the last, when it is not spatial) moves before the spatial axes.
     ToChw,
+    /// Mirror top–bottom with probability 0.5.
+    RandomVFlip,
+    /// `np.rot90(x, k, axes=spatial)` with `k` uniform in 0..4 (the spatial sizes must be equal).
+    RandomRot90,
+    /// Convert to `dtype` as numpy's `astype` (floats to integers saturate; NaN becomes 0).
+    Cast {
+        /// Target type.
+        dtype: DType,
+    },
+    /// `(x - mean) / std` as float32, `mean` and `std` of shape `dims` broadcast against the
+    /// array's trailing axes (numpy broadcasting): per-component statistics of vector or tensor fields.
+    NormalizeTrailing {
+        /// Means, C order.
+        mean: Vec<f32>,
+        /// Standard deviations, C order.
+        std: Vec<f32>,
+        /// Their shape.
+        dims: Vec<u64>,
+    },
+    /// Reorder axes: axis `i` of the output is axis `axes[i]` of the input.
+    Permute {
+        /// A permutation of `0..rank`.
+        axes: Vec<usize>,
+    },
+    /// Shrink both spatial axes to `floor(size / factor)`: block means (as float32, float64 for
+    /// float64 input) or, with `mean: false`, every `factor`-th element (same dtype).
+    Downsample {
+        /// Block size, at least 1.
+        factor: u64,
+        /// Block mean rather than stride.
+        mean: bool,
+    },
+    /// `normalize` whose statistics are still to be read from a file ([`stats`]); the dataset
+    /// replaces it with the statistics before building the chain.
+    NormalizeFrom {
+        /// The statistics file.
+        stats: String,
+        /// Its entry.
+        key: String,
+    },
 }
 
 /// Interpolation for [`Step::Resize`]; convolution-based, antialiased when
@@ -172,6 +216,8 @@ pub struct Chain {
     group: u64,
     /// Most bytes the array may take at any step (`[limits] max_sample_bytes`).
     max_bytes: u64,
+    /// The axes spatial steps act on, as given (negative from the end); `None`: the default.
+    spatial: Option<[i64; 2]>,
 }
 
 impl Chain {
@@ -203,6 +249,37 @@ impl Chain {
                 Step::ToF32 { scale } if !scale.is_finite() => {
                     return Err(invalid("to_f32 scale must be finite".into()));
                 }
+                Step::NormalizeTrailing { mean, std, dims } => {
+                    let n = dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+                    if mean.is_empty() || n != Some(mean.len() as u64) || mean.len() != std.len() {
+                        return Err(invalid(format!(
+                            "normalize statistics of shape {dims:?} need as many values; got {} means and {} stds",
+                            mean.len(),
+                            std.len()
+                        )));
+                    }
+                    if std.iter().any(|s| *s == 0.0 || !s.is_finite()) || mean.iter().any(|m| !m.is_finite()) {
+                        return Err(invalid("normalize needs finite mean and non-zero finite std".into()));
+                    }
+                }
+                Step::Cast { dtype: DType::F16 } => {
+                    return Err(invalid("cast to float16 is not supported; cast to float32".into()));
+                }
+                Step::Permute { axes } => {
+                    let mut seen = axes.clone();
+                    seen.sort_unstable();
+                    if seen.iter().enumerate().any(|(i, &a)| i != a) {
+                        return Err(invalid(format!("permute {axes:?} is not a permutation of 0..{}", axes.len())));
+                    }
+                }
+                Step::NormalizeFrom { stats, .. } => {
+                    return Err(invalid(format!(
+                        "the statistics of {stats:?} were not read (a bug; please report it)"
+                    )));
+                }
+                Step::Downsample { factor: 0, .. } => {
+                    return Err(invalid("downsample factor must be at least 1".into()));
+                }
                 Step::ToChw if chw => return Err(invalid("to_chw appears twice".into())),
                 Step::ToChw => chw = true,
                 _ => {}
@@ -220,7 +297,41 @@ impl Chain {
             }
         }
         let group = fnv1a(pair.as_ref().map_or(field, |p| p.with.as_str()).as_bytes());
-        Ok(Chain { field: field.to_string(), steps, pair, group, max_bytes: stoker_proto::DEFAULT_MAX_SAMPLE_BYTES })
+        Ok(Chain {
+            field: field.to_string(),
+            steps,
+            pair,
+            group,
+            max_bytes: stoker_proto::DEFAULT_MAX_SAMPLE_BYTES,
+            spatial: None,
+        })
+    }
+
+    /// Sets the two axes spatial steps (crops, flips, rot90, downsample) act
+    /// on, as axes of the chain's input (negative counts from the end). The
+    /// default: axes 0 and 1 of a 2-d array, else the two before the last
+    /// (`[..., height, width, channels]`).
+    pub fn with_spatial_axes(mut self, axes: Option<[i64; 2]>) -> Chain {
+        self.spatial = axes;
+        self
+    }
+
+    /// Whether the n-dimensional engine runs this chain on a `rank`-d input
+    /// (the image engine handles `[h, w]`/`[h, w, c]` with the original steps).
+    fn is_nd(&self, rank: usize) -> bool {
+        self.spatial.is_some()
+            || !(rank == 2 || rank == 3)
+            || self.steps.iter().any(|s| {
+                matches!(
+                    s,
+                    Step::RandomVFlip
+                        | Step::RandomRot90
+                        | Step::Cast { .. }
+                        | Step::NormalizeTrailing { .. }
+                        | Step::Permute { .. }
+                        | Step::Downsample { .. }
+                )
+            })
     }
 
     /// Sets the most bytes the array may take at any step; [`Chain::output`]
@@ -261,6 +372,13 @@ impl Chain {
                 leader.field
             )));
         }
+        if self.steps.iter().chain(&leader.steps).any(|s| matches!(s, Step::Downsample { .. })) {
+            return Err(invalid(format!(
+                "pairs with {:?}, and one of them downsamples: paired fields cannot downsample (pair the \
+                 downsampled sizes instead)",
+                leader.field
+            )));
+        }
         let mine: Vec<&Step> = self.steps.iter().filter(|s| s.is_geometric()).collect();
         let theirs: Vec<&Step> = leader.steps.iter().filter(|s| s.is_geometric()).collect();
         let s = pair.scale;
@@ -271,7 +389,9 @@ impl Chain {
                 | (Step::Resize { height: h, width: w, .. }, Step::Resize { height: lh, width: lw, .. }) => {
                     *h == s * lh && *w == s * lw
                 }
-                (Step::RandomHFlip, Step::RandomHFlip) => true,
+                (Step::RandomHFlip, Step::RandomHFlip)
+                | (Step::RandomVFlip, Step::RandomVFlip)
+                | (Step::RandomRot90, Step::RandomRot90) => true,
                 _ => false,
             });
         if !fits {
@@ -289,6 +409,9 @@ impl Chain {
     /// array's size after every step against the chain's limit, where the
     /// size is known (an unknown channel count counts as 1).
     pub fn output(&self, dtype: DType, shape: &[Option<u64>]) -> Result<(DType, Vec<Option<u64>>), TransformError> {
+        if self.is_nd(shape.len()) {
+            return self.output_nd(dtype, shape);
+        }
         let input = |message: String| TransformError::Input { field: self.field.clone(), message };
         let (mut h, mut w, c, planar) = match *shape {
             [h, w] => (h, w, Some(1), true),
@@ -325,7 +448,7 @@ impl Chain {
                     if let (Some(hh), Some(ww)) = (h, w)
                         && (*height > hh || *width > ww)
                     {
-                        return Err(input(format!("cannot crop {height}×{width} from {hh}×{ww}")));
+                        return Err(input(format!("{}: cannot crop {height}×{width} from {hh}×{ww}", step.describe())));
                     }
                     (h, w) = (Some(*height), Some(*width));
                 }
@@ -345,6 +468,7 @@ impl Chain {
                     dtype_out = DType::F32;
                 }
                 Step::ToChw => chw = true,
+                _ => unreachable!("the image engine runs only chains without n-dimensional steps"),
             }
             check(&|| step.describe(), h, w, dtype_out)?;
         }
@@ -369,6 +493,9 @@ impl Chain {
         scratch: &mut Scratch,
         dst: &mut [u8],
     ) -> Result<(), TransformError> {
+        if self.is_nd(input.shape.len()) {
+            return self.apply_nd(input, key, leader_shape, scratch, dst);
+        }
         let ArrayRef { bytes: input, dtype, shape } = input;
         let err = |message: String| TransformError::Input { field: self.field.clone(), message };
         let known: Vec<Option<u64>> = shape.iter().map(|&d| Some(d)).collect();
@@ -451,6 +578,7 @@ impl Chain {
                 Step::ToF32 { scale } => affine.then_scale(*scale),
                 Step::Normalize { mean, std } => affine.then_normalize(mean, std),
                 Step::ToChw => chw = true,
+                _ => unreachable!("the image engine runs only chains without n-dimensional steps"),
             }
         }
         let src = scratch.slice(input, view.backing);
@@ -461,7 +589,7 @@ impl Chain {
 
 impl Step {
     /// The step as the config spells it, for messages.
-    fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match self {
             Step::CenterCrop { height, width } => format!("center_crop {height}×{width}"),
             Step::RandomCrop { height, width } => format!("random_crop {height}×{width}"),
@@ -470,12 +598,29 @@ impl Step {
             Step::ToF32 { .. } => "to_f32".into(),
             Step::Normalize { .. } => "normalize".into(),
             Step::ToChw => "chw".into(),
+            Step::RandomVFlip => "vflip".into(),
+            Step::RandomRot90 => "rot90".into(),
+            Step::Cast { dtype } => format!("cast to {dtype}"),
+            Step::NormalizeTrailing { dims, .. } => format!("normalize over {dims:?}"),
+            Step::Permute { axes } => format!("permute {axes:?}"),
+            Step::Downsample { factor, mean } => {
+                format!("downsample by {factor} ({})", if *mean { "mean" } else { "stride" })
+            }
+            Step::NormalizeFrom { stats, key } => format!("normalize with {key:?} of {stats}"),
         }
     }
 
     /// Whether the step moves pixels (and so must match between paired chains).
     fn is_geometric(&self) -> bool {
-        matches!(self, Step::CenterCrop { .. } | Step::RandomCrop { .. } | Step::Resize { .. } | Step::RandomHFlip)
+        matches!(
+            self,
+            Step::CenterCrop { .. }
+                | Step::RandomCrop { .. }
+                | Step::Resize { .. }
+                | Step::RandomHFlip
+                | Step::RandomVFlip
+                | Step::RandomRot90
+        )
     }
 }
 

@@ -350,3 +350,126 @@ fn destination_and_input_sizes_are_checked() {
         .is_err()
     );
 }
+
+fn u8s_run(steps: Vec<Step>, input: &[u8], shape: &[u64], key: SampleKey) -> Vec<u8> {
+    run(&chain(steps), input, DType::U8, shape, key)
+}
+
+#[test]
+fn vflip_is_a_keyed_coin_and_mirrors_rows() {
+    // 3 × 2 gray, value 10y + x.
+    let input = image(3, 2, 1, |y, x, _| (10 * y + x) as u8);
+    let mirrored = vec![20, 21, 10, 11, 0, 1];
+    let mut flips = 0;
+    for i in 0..64 {
+        let out = u8s_run(vec![Step::RandomVFlip], &input, &[3, 2], key(i));
+        assert!(out == input || out == mirrored, "{out:?}");
+        flips += usize::from(out == mirrored);
+        assert_eq!(out, u8s_run(vec![Step::RandomVFlip], &input, &[3, 2], key(i)), "keyed");
+    }
+    assert!((16..=48).contains(&flips), "{flips} flips in 64");
+}
+
+#[test]
+fn rot90_takes_every_quarter_turn_like_numpy() {
+    // [[1, 2], [3, 4]]: np.rot90 k = 0..3.
+    let input = [1u8, 2, 3, 4];
+    let turns = [vec![1u8, 2, 3, 4], vec![2, 4, 1, 3], vec![4, 3, 2, 1], vec![3, 1, 4, 2]];
+    let mut seen = [0; 4];
+    for i in 0..64 {
+        let out = u8s_run(vec![Step::RandomRot90], &input, &[2, 2], key(i));
+        let k = turns.iter().position(|t| *t == out).unwrap_or_else(|| panic!("{out:?} is no rotation"));
+        seen[k] += 1;
+    }
+    assert!(seen.iter().all(|&n| n > 0), "{seen:?}");
+    let c = chain(vec![Step::RandomRot90]);
+    assert!(c.output(DType::U8, &[Some(2), Some(3)]).is_err(), "rot90 of a non-square array");
+}
+
+#[test]
+fn cast_follows_numpy_astype() {
+    let c = chain(vec![Step::Cast { dtype: DType::U8 }]);
+    let i16s: Vec<u8> = [-1i16, 300, 7, 255].iter().flat_map(|v| v.to_ne_bytes()).collect();
+    assert_eq!(run(&c, &i16s, DType::I16, &[2, 2], KEY), vec![255, 44, 7, 255], "integers wrap");
+    let f32s_in: Vec<u8> = [1.9f32, -0.5, 300.0, 2.0].iter().flat_map(|v| v.to_ne_bytes()).collect();
+    assert_eq!(run(&c, &f32s_in, DType::F32, &[2, 2], KEY), vec![1, 0, 255, 2], "floats truncate, saturate");
+    let to_f64 = chain(vec![Step::Cast { dtype: DType::F64 }]);
+    let out = run(&to_f64, &[1, 2, 3, 250], DType::U8, &[2, 2], KEY);
+    let f64s: Vec<f64> = out.chunks_exact(8).map(|b| f64::from_ne_bytes(b.try_into().unwrap())).collect();
+    assert_eq!(f64s, [1.0, 2.0, 3.0, 250.0]);
+    assert!(Chain::new("x", vec![Step::Cast { dtype: DType::F16 }], None).is_err());
+}
+
+#[test]
+fn permute_and_chw_on_more_dimensions() {
+    // [2, 3, 4] with value 100a + 10b + c; permute [2, 0, 1] gives out[c, a, b].
+    let input: Vec<u8> =
+        (0..2).flat_map(|a| (0..3).flat_map(move |b| (0..4).map(move |c| 100 * a + 10 * b + c))).collect();
+    let out = u8s_run(vec![Step::Permute { axes: vec![2, 0, 1] }], &input, &[2, 3, 4], KEY);
+    let want: Vec<u8> =
+        (0..4).flat_map(|c| (0..2).flat_map(move |a| (0..3).map(move |b| 100 * a + 10 * b + c))).collect();
+    assert_eq!(out, want);
+    // [t, h, w, c] → chw moves c before the spatial axes: [t, c, h, w].
+    let c = chain(vec![Step::Cast { dtype: DType::U8 }, Step::ToChw]);
+    assert_eq!(
+        c.output(DType::U8, &[Some(2), Some(3), Some(4), Some(5)]).unwrap().1,
+        vec![Some(2), Some(5), Some(3), Some(4)]
+    );
+    assert!(Chain::new("x", vec![Step::Permute { axes: vec![0, 0] }], None).is_err());
+    assert!(chain(vec![Step::Permute { axes: vec![1, 0] }]).output(DType::U8, &[Some(2), Some(2), Some(2)]).is_err());
+}
+
+#[test]
+fn downsample_by_mean_and_by_stride() {
+    // 4 × 5, value 10y + x; factor 2 keeps 2 × 2 blocks (the last column dropped).
+    let input = image(4, 5, 1, |y, x, _| (10 * y + x) as u8);
+    let strided = u8s_run(vec![Step::Downsample { factor: 2, mean: false }], &input, &[4, 5], KEY);
+    assert_eq!(strided, vec![0, 2, 20, 22]);
+    let c = chain(vec![Step::Downsample { factor: 2, mean: true }]);
+    assert_eq!(c.output(DType::U8, &[Some(4), Some(5)]).unwrap(), (DType::F32, vec![Some(2), Some(2)]));
+    let means = f32s(&run(&c, &input, DType::U8, &[4, 5], KEY));
+    assert_eq!(means, vec![5.5, 7.5, 25.5, 27.5]);
+    assert!(c.output(DType::U8, &[Some(1), Some(5)]).is_err(), "nothing left");
+}
+
+#[test]
+fn normalize_broadcasts_over_trailing_axes() {
+    // [2, 2, 2, 2] ones; statistics of shape [2, 2] over the last two axes.
+    let c = chain(vec![Step::NormalizeTrailing {
+        mean: vec![0.0, 1.0, 2.0, 3.0],
+        std: vec![1.0, 2.0, 4.0, 8.0],
+        dims: vec![2, 2],
+    }])
+    .with_spatial_axes(Some([0, 1]));
+    let out = f32s(&run(&c, &[1u8; 16], DType::U8, &[2, 2, 2, 2], KEY));
+    for px in out.chunks_exact(4) {
+        assert_eq!(px, [1.0, 0.0, -0.25, -0.25]);
+    }
+    assert!(c.output(DType::U8, &[Some(2), Some(2), Some(3)]).is_err());
+}
+
+#[test]
+fn spatial_axes_choose_what_crops_and_flips_move() {
+    // [3, 4, 4] with spatial axes 1, 2: a centre crop 2 × 2 of each of the 3 planes.
+    let input: Vec<u8> = (0..48).collect();
+    let c = chain(vec![Step::CenterCrop { height: 2, width: 2 }]).with_spatial_axes(Some([-2, -1]));
+    let out = run(&c, &input, DType::U8, &[3, 4, 4], KEY);
+    assert_eq!(out, vec![5, 6, 9, 10, 21, 22, 25, 26, 37, 38, 41, 42]);
+    let bad = chain(vec![Step::RandomHFlip]).with_spatial_axes(Some([0, 5]));
+    assert!(bad.output(DType::U8, &[Some(3), Some(4)]).is_err());
+}
+
+#[test]
+fn paired_nd_chains_rotate_and_crop_together() {
+    let lr = image(4, 4, 1, |y, x, _| (10 * y + x) as u8);
+    let hr = blow_up(&lr, 4, 4, 1, 2);
+    let steps = |s: u64| vec![Step::RandomCrop { height: 2 * s, width: 2 * s }, Step::RandomVFlip, Step::RandomRot90];
+    let lr_chain = chain(steps(1));
+    let hr_chain = Chain::new("hr", steps(2), Some(Pair { with: "x".into(), scale: 2 })).unwrap();
+    hr_chain.check_pair(&lr_chain).unwrap();
+    for i in 0..32 {
+        let a = run(&lr_chain, &lr, DType::U8, &[4, 4], key(i));
+        let b = run_paired(&hr_chain, &hr, DType::U8, &[8, 8], key(i), Some(&[4, 4]));
+        assert_eq!(b, blow_up(&a, 2, 2, 1, 2), "sample {i}");
+    }
+}

@@ -1,0 +1,240 @@
+"""Transforms on HDF5 fields (and the new LMDB steps): served values equal
+numpy applied to h5py's arrays (exact for cast, permute, crops, flips, rot90
+and downsample; within float tolerance for normalize), random steps are keyed
+by (seed, epoch, index), paired fields draw alike, and bad steps are refused
+when the stream opens, naming the field and the step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import assert_names
+from lmdb_data import key, write_env, png_of, noise
+from test_lmdb import idx_env, rows, run_epoch, upscale4
+
+
+def _write(path: Path, **arrays: np.ndarray) -> None:
+    with h5py.File(path, "w") as f:
+        for name, a in arrays.items():
+            f.create_dataset(name, data=a)
+
+
+def _by_index(loader: Any, epoch: int = 0) -> dict[int, dict[str, Any]]:
+    return {int(r["idx"]): r for r in rows(run_epoch(loader, epoch))}
+
+
+def _dihedral(a: np.ndarray, axes: tuple[int, int] = (0, 1)) -> list[np.ndarray]:
+    """The images hflip/vflip/rot90 can make of `a` over `axes` (in any order)."""
+    out = []
+    for k in range(4):
+        r = np.rot90(a, k, axes=axes)
+        out += [r, np.flip(r, axes[1])]
+    return out
+
+
+def _crops(a: np.ndarray, h: int, w: int) -> list[np.ndarray]:
+    return [a[y : y + h, x : x + w] for y in range(a.shape[0] - h + 1) for x in range(a.shape[1] - w + 1)]
+
+
+def _which(candidates: list[np.ndarray], served: np.ndarray) -> int:
+    hits = [i for i, c in enumerate(candidates) if c.shape == served.shape and np.array_equal(c, served)]
+    assert hits, "the served value is none of the crops/flips/rotations of its source"
+    return hits[0]
+
+
+def test_deterministic_steps_equal_numpy(stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    n = 9
+    src = {
+        "img": rng.integers(0, 60000, size=(n, 12, 10, 3), dtype=np.uint16),
+        "vol": rng.integers(-100, 100, size=(n, 5, 12, 10)).astype(np.float64),
+        "sub": rng.integers(-3000, 3000, size=(n, 9, 7), dtype=np.int16),
+        "vel": rng.standard_normal((n, 3, 6, 4, 2), dtype=np.float32) * 3 + 1,
+        "rho": rng.standard_normal((n, 3, 6, 4), dtype=np.float32) * 2 + 5,
+        "cube": rng.integers(0, 255, size=(n, 4, 5, 6), dtype=np.uint8),
+        "flt": (rng.standard_normal((n, 4, 4)) * 300).astype(np.float32),
+        "idx": np.arange(n, dtype=np.int64),
+    }
+    _write(tmp_path / "a.h5", **src)
+    stats = tmp_path / "stats.yaml"
+    # The Well's stats.yaml layout (yaml.dump of {mean: {field: value}, std: {...}}).
+    stats.write_text(
+        "mean:\n  density: 5.0E+00\n  velocity:\n  - 1.0E+00\n  - 0.5E+00\nstd:\n  density: 2.0E+00\n"
+        "  velocity:\n  - 3.0E+00\n  - 2.5E+00\n"
+    )
+    transforms = {
+        "img": [{"center_crop": (8, 6)}, {"cast": "float32"}, "chw"],
+        "vol": [{"downsample": 2}, {"cast": "int32"}],
+        "sub": [{"downsample": {"factor": 2, "mode": "stride"}}],
+        "vel": [{"normalize": {"stats": str(stats), "key": "velocity"}}, {"permute": [0, 3, 1, 2]}],
+        "rho": [{"normalize": {"stats": str(stats), "key": "density"}}],
+        "cube": [{"permute": [2, 0, 1]}],
+        "flt": [{"cast": "int16"}, {"normalize": {"mean": [1.0], "std": [4.0]}}],
+    }
+    spec = stoker.hdf5(
+        str(tmp_path / "a.h5"),
+        fields={k: k for k in src},
+        transforms=transforms,
+        spatial_axes={"vol": (-2, -1), "rho": (1, 2)},
+    )
+    d = start_daemon()
+    loader = stoker.Loader(spec, batch_size=4, socket=d.socket)
+    assert loader.fields["img"] == ("float32", (3, 8, 6))
+    assert loader.fields["vol"] == ("int32", (5, 6, 5))
+    assert loader.fields["vel"] == ("float32", (3, 2, 6, 4))
+    served = _by_index(loader)
+    assert sorted(served) == list(range(n))
+    for i, r in served.items():
+        np.testing.assert_array_equal(r["img"], src["img"][i][2:10, 2:8].astype(np.float32).transpose(2, 0, 1))
+        v = src["vol"][i].reshape(5, 6, 2, 5, 2).mean(axis=(2, 4))
+        np.testing.assert_array_equal(r["vol"], v.astype(np.int32))
+        np.testing.assert_array_equal(r["sub"], src["sub"][i][0:8:2, 0:6:2])
+        vel = (src["vel"][i] - np.array([1.0, 0.5])) / np.array([3.0, 2.5])
+        np.testing.assert_allclose(r["vel"], vel.transpose(0, 3, 1, 2), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(r["rho"], (src["rho"][i] - 5.0) / 2.0, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(r["cube"], src["cube"][i].transpose(2, 0, 1))
+        np.testing.assert_allclose(r["flt"], (src["flt"][i].astype(np.int16) - 1.0) / 4.0, rtol=1e-6)
+        assert r["flt"].dtype == np.float32
+
+
+def test_random_steps_are_keyed_and_paired(stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path) -> None:
+    """`b` (the same data as `a`) pairs with `a` and must come out identical;
+    `c` has the same steps unpaired and must not always match."""
+    rng = np.random.default_rng(9)
+    n = 16
+    u = rng.integers(0, 1000, size=(n, 2, 8, 8, 2)).astype(np.float32)  # [item, time, x, y, component]
+    _write(tmp_path / "w.h5", u=u, u2=u.copy(), u3=u.copy(), idx=np.arange(n))
+    steps = [{"random_crop": 6}, "hflip", "vflip", "rot90"]
+    spec = stoker.hdf5(
+        str(tmp_path / "w.h5"),
+        fields={"a": "u", "b": "u2", "c": "u3", "idx": "idx"},
+        transforms={"a": steps, "b": steps, "c": steps},
+        pair={"b": ("a", 1)},
+    )
+    d = start_daemon()
+    loader = stoker.Loader(spec, batch_size=5, seed=3, socket=d.socket)
+    assert loader.fields["a"] == ("float32", (2, 6, 6, 2))
+    first = _by_index(loader, 0)
+    again = _by_index(stoker.Loader(spec, batch_size=3, seed=3, socket=d.socket), 0)
+    later = _by_index(loader, 1)
+    seen, unpaired_differs, epochs_differ = set(), 0, 0
+    for i in range(n):
+        r = first[i]
+        np.testing.assert_array_equal(r["b"], r["a"], err_msg="paired fields drew differently")
+        unpaired_differs += not np.array_equal(r["c"], r["a"])
+        np.testing.assert_array_equal(again[i]["a"], r["a"], err_msg="not deterministic in (seed, epoch, index)")
+        epochs_differ += not np.array_equal(later[i]["a"], r["a"])
+        # Spatial axes of [time, x, y, component] are x and y (the two before the last).
+        cands = [t for c in _crops(u[i].transpose(1, 2, 0, 3), 6, 6) for t in _dihedral(c)]
+        k = _which(cands, r["a"].transpose(1, 2, 0, 3))
+        seen.add(k % 8)  # which of the 8 flips/rotations
+    assert unpaired_differs > 0, "an unpaired field drew exactly what its neighbour drew for every sample"
+    assert epochs_differ > 0, "every sample drew the same in epoch 1 as in epoch 0"
+    assert len(seen) >= 4, f"flips and rotations hardly vary: {seen}"
+
+
+def test_lmdb_lr_hr_vflip_rot90_pairing_like_basicsr(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    """BasicSR's augment(hflip, rot): the HR crop, flips and rotation line up with the LR's."""
+    n = 12
+    names = [key(i) for i in range(n)]
+    lr_src = {k: noise(12, 12, 3, seed=i) for i, k in enumerate(names)}
+    lr_env = write_env(tmp_path / "lr", {k: png_of(a) for k, a in lr_src.items()})
+    hr_env = write_env(tmp_path / "hr", {k: png_of(upscale4(a)) for k, a in lr_src.items()})
+    idx = idx_env(tmp_path / "idx", n)
+    spec = stoker.lmdb(
+        {"lr": lr_env, "hr": hr_env, "idx": idx},
+        fields={"lr": "png", "hr": "png", "idx": "npy"},
+        transforms={
+            "lr": [{"random_crop": 8}, "hflip", "vflip", "rot90"],
+            "hr": [{"random_crop": 32}, "hflip", "vflip", "rot90"],
+        },
+        pair={"hr": ("lr", 4)},
+    )
+    d = start_daemon()
+    loader = stoker.Loader(spec, batch_size=5, seed=2, socket=d.socket)
+    kinds = set()
+    for epoch in (0, 1):
+        for r in rows(run_epoch(loader, epoch)):
+            lr, hr = r["lr"], r["hr"]
+            assert np.array_equal(hr, upscale4(lr)), "HR is not the LR crop repeated 4×: pairing is misaligned"
+            cands = [t for c in _crops(lr_src[key(int(r["idx"]))], 8, 8) for t in _dihedral(c)]
+            kinds.add(_which(cands, lr) % 8)
+    assert len(kinds) >= 4, f"flips and rotations hardly vary: {kinds}"
+
+
+def test_bad_steps_are_refused_naming_field_and_step(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    _write(tmp_path / "b.h5", x=np.zeros((4, 6, 5), np.uint8), y=np.zeros((4, 6, 6), np.uint8))
+    glob = str(tmp_path / "b.h5")
+    fields = {"x": "x", "y": "y"}
+    with pytest.raises(ValueError) as exc:
+        stoker.hdf5(glob, fields=fields, transforms={"x": ["twirl"]})
+    assert_names(str(exc.value), "'x'", "twirl", "rot90")
+    with pytest.raises(ValueError, match="unknown fields"):
+        stoker.hdf5(glob, fields=fields, transforms={"z": ["hflip"]})
+    d = start_daemon()
+    cases = [
+        ({"x": ["rot90"]}, "rot90"),
+        ({"y": [{"random_crop": 7}]}, "random_crop 7×7"),
+        ({"x": [{"permute": [1, 0, 2]}]}, "permute"),
+        ({"x": [{"cast": "complex64"}]}, "complex64"),
+        ({"y": [{"normalize": {"mean": [1, 2], "std": [1, 1]}}]}, "normalize"),
+        ({"y": [{"normalize": {"stats": str(tmp_path / "none.yaml")}}]}, "none.yaml"),
+        ({"y": [{"downsample": 7}]}, "downsample by 7"),
+    ]
+    for transforms, step in cases:
+        field = next(iter(transforms))
+        spec = stoker.hdf5(glob, fields=fields, transforms=transforms)
+        with pytest.raises(stoker.DatasetError) as exc:
+            stoker.Loader(spec, batch_size=2, socket=d.socket)
+        assert_names(str(exc.value), step)
+        if "none.yaml" not in step:
+            assert_names(str(exc.value), f'"{field}"')
+    # Paired fields must have the same random steps.
+    spec = stoker.hdf5(glob, fields=fields, transforms={"x": ["hflip"], "y": ["vflip"]}, pair={"y": ("x", 1)})
+    with pytest.raises(stoker.DatasetError) as exc:
+        stoker.Loader(spec, batch_size=2, socket=d.socket)
+    assert_names(str(exc.value), '"y"', "pairs with")
+    assert d.alive()
+
+
+def test_transform_output_is_checked_against_the_sample_limit(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    _write(tmp_path / "l.h5", x=np.zeros((4, 20, 20), np.uint8))
+    d = start_daemon(extra="\n[limits]\nmax_sample_bytes = 1000\n")
+    spec = stoker.hdf5(str(tmp_path / "l.h5"), fields={"x": "x"}, transforms={"x": [{"cast": "float64"}]})
+    with pytest.raises(stoker.LimitError) as exc:
+        stoker.Loader(spec, batch_size=2, socket=d.socket)
+    assert_names(str(exc.value), '"x"', "cast to float64", "max_sample_bytes")
+
+
+def test_config_transforms_for_a_named_hdf5_dataset(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 255, size=(6, 8, 8, 3), dtype=np.uint8)
+    _write(tmp_path / "c.h5", x=x, idx=np.arange(6))
+    extra = f"""
+[datasets.c]
+format = "hdf5"
+files = "{tmp_path / 'c.h5'}"
+fields = {{ x = "x", idx = "idx" }}
+transforms = {{ x = [{{ center_crop = {{ height = 4, width = 6 }} }}, {{ to_f32 = {{ scale = 0.5 }} }}, "chw"] }}
+"""
+    d = start_daemon(extra=extra)
+    loader = stoker.Loader("c", batch_size=3, socket=d.socket)
+    for i, r in _by_index(loader).items():
+        np.testing.assert_array_equal(r["x"], (x[i][2:6, 1:7].astype(np.float32) * 0.5).transpose(2, 0, 1))
+
+
+def test_step_names_come_from_the_daemon_definition(stoker: Any) -> None:
+    assert {"hflip", "vflip", "rot90", "cast", "normalize", "permute", "downsample", "chw"} <= set(stoker.TRANSFORM_STEPS)

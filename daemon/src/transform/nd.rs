@@ -1,0 +1,669 @@
+//! The n-dimensional engine: chains over arrays of any rank (HDF5 fields,
+//! windows of them) and chains with the steps the image engine lacks
+//! (`vflip`, `rot90`, `cast`, `permute`, `downsample`, broadcast normalize).
+//!
+//! Geometry only moves a strided view (crops narrow it, flips negate a
+//! stride, `rot90` swaps two axes, `permute` reorders them, a stride
+//! downsample multiplies strides); element conversions (`cast`, `to_f32`,
+//! `normalize`) queue up and run once, as the view is copied into the slot.
+//! Only a mean downsample copies in between. Random draws are the image
+//! engine's (same keys, same order), so paired fields line up whichever engine
+//! runs them.
+
+use stoker_proto::DType;
+
+use super::{
+    ArrayRef, Backing, Chain, SampleKey, Scratch, Step, TransformError, draw, f16_to_f32, splitmix64, uniform,
+};
+
+/// The roles of axes: the spatial pair and the channel axis, by position.
+#[derive(Debug, Clone, Copy)]
+struct Roles {
+    y: usize,
+    x: usize,
+    channel: Option<usize>,
+}
+
+impl Roles {
+    /// The roles of a `rank`-d input under `spatial` (see [`Chain::with_spatial_axes`]).
+    fn of(spatial: Option<[i64; 2]>, rank: usize) -> Result<Roles, String> {
+        if rank < 2 {
+            return Err(format!("transforms need at least 2 dimensions (two spatial axes), not {rank}"));
+        }
+        let [a, b] = spatial.unwrap_or(if rank == 2 { [0, 1] } else { [-3, -2] });
+        let at = |a: i64| {
+            let r = rank as i64;
+            let p = if a < 0 { r + a } else { a };
+            (0..r)
+                .contains(&p)
+                .then_some(p as usize)
+                .ok_or_else(|| format!("spatial axis {a} is outside a {rank}-d array"))
+        };
+        let (y, x) = (at(a)?, at(b)?);
+        if y == x {
+            return Err(format!("spatial axes {a} and {b} are the same axis"));
+        }
+        let last = rank - 1;
+        Ok(Roles { y, x, channel: (rank >= 3 && last != y && last != x).then_some(last) })
+    }
+
+    /// Positions after the axes are reordered by `perm` (new axis `i` is old axis `perm[i]`).
+    fn permuted(self, perm: &[usize]) -> Roles {
+        let new = |old: usize| perm.iter().position(|&p| p == old).expect("perm is a permutation");
+        Roles { y: new(self.y), x: new(self.x), channel: self.channel.map(new) }
+    }
+}
+
+/// The permutation `chw` makes for `roles` over `rank` axes, or `None` when
+/// there is no channel axis (a size-1 one is inserted instead).
+fn chw_perm(roles: Roles, rank: usize) -> Option<Vec<usize>> {
+    let c = roles.channel?;
+    let mut perm: Vec<usize> = (0..rank).filter(|&a| a != c).collect();
+    let first_spatial = perm.iter().position(|&a| a == roles.y || a == roles.x).expect("spatial axes remain");
+    perm.insert(first_spatial, c);
+    Some(perm)
+}
+
+fn permute<T: Copy>(v: &[T], perm: &[usize]) -> Vec<T> {
+    perm.iter().map(|&p| v[p]).collect()
+}
+
+/// A number on its way through the conversions, exact for every integer dtype.
+#[derive(Debug, Clone, Copy)]
+enum Num {
+    I(i128),
+    F(f64),
+}
+
+impl Num {
+    fn f64(self) -> f64 {
+        match self {
+            Num::I(v) => v as f64,
+            Num::F(v) => v,
+        }
+    }
+
+    /// As numpy's `astype(dtype)` (for floats out of an integer type's range: saturated).
+    fn cast(self, dtype: DType) -> Num {
+        match (self, dtype) {
+            (v, DType::Bool) => Num::I(i128::from(v.f64() != 0.0)),
+            (Num::I(v), DType::U8) => Num::I(i128::from(v as u8)),
+            (Num::I(v), DType::I8) => Num::I(i128::from(v as i8)),
+            (Num::I(v), DType::U16) => Num::I(i128::from(v as u16)),
+            (Num::I(v), DType::I16) => Num::I(i128::from(v as i16)),
+            (Num::I(v), DType::U32) => Num::I(i128::from(v as u32)),
+            (Num::I(v), DType::I32) => Num::I(i128::from(v as i32)),
+            (Num::I(v), DType::U64) => Num::I(i128::from(v as u64)),
+            (Num::I(v), DType::I64) => Num::I(i128::from(v as i64)),
+            (Num::F(v), DType::U8) => Num::I(i128::from(v as u8)),
+            (Num::F(v), DType::I8) => Num::I(i128::from(v as i8)),
+            (Num::F(v), DType::U16) => Num::I(i128::from(v as u16)),
+            (Num::F(v), DType::I16) => Num::I(i128::from(v as i16)),
+            (Num::F(v), DType::U32) => Num::I(i128::from(v as u32)),
+            (Num::F(v), DType::I32) => Num::I(i128::from(v as i32)),
+            (Num::F(v), DType::U64) => Num::I(i128::from(v as u64)),
+            (Num::F(v), DType::I64) => Num::I(i128::from(v as i64)),
+            (v, DType::F16 | DType::F32) => Num::F(f64::from(v.f64() as f32)),
+            (v, DType::F64) => Num::F(v.f64()),
+        }
+    }
+}
+
+fn read(dtype: DType, b: &[u8]) -> Num {
+    fn arr<const N: usize>(b: &[u8]) -> [u8; N] {
+        b.try_into().expect("element slices have the dtype's size")
+    }
+    match dtype {
+        DType::Bool | DType::U8 => Num::I(i128::from(b[0])),
+        DType::I8 => Num::I(i128::from(b[0] as i8)),
+        DType::U16 => Num::I(i128::from(u16::from_ne_bytes(arr(b)))),
+        DType::I16 => Num::I(i128::from(i16::from_ne_bytes(arr(b)))),
+        DType::U32 => Num::I(i128::from(u32::from_ne_bytes(arr(b)))),
+        DType::I32 => Num::I(i128::from(i32::from_ne_bytes(arr(b)))),
+        DType::U64 => Num::I(i128::from(u64::from_ne_bytes(arr(b)))),
+        DType::I64 => Num::I(i128::from(i64::from_ne_bytes(arr(b)))),
+        DType::F16 => Num::F(f64::from(f16_to_f32(u16::from_ne_bytes(arr(b))))),
+        DType::F32 => Num::F(f64::from(f32::from_ne_bytes(arr(b)))),
+        DType::F64 => Num::F(f64::from_ne_bytes(arr(b))),
+    }
+}
+
+/// Writes `v` (already cast to `dtype`) into `out`, which holds one element.
+fn write(dtype: DType, v: Num, out: &mut [u8]) {
+    let v = v.cast(dtype);
+    let int = |v: Num| match v {
+        Num::I(i) => i,
+        Num::F(f) => f as i128,
+    };
+    match dtype {
+        DType::Bool | DType::U8 => out[0] = int(v) as u8,
+        DType::I8 => out[0] = int(v) as i8 as u8,
+        DType::U16 => out.copy_from_slice(&(int(v) as u16).to_ne_bytes()),
+        DType::I16 => out.copy_from_slice(&(int(v) as i16).to_ne_bytes()),
+        DType::U32 => out.copy_from_slice(&(int(v) as u32).to_ne_bytes()),
+        DType::I32 => out.copy_from_slice(&(int(v) as i32).to_ne_bytes()),
+        DType::U64 => out.copy_from_slice(&(int(v) as u64).to_ne_bytes()),
+        DType::I64 => out.copy_from_slice(&(int(v) as i64).to_ne_bytes()),
+        DType::F16 => unreachable!("casts to float16 are refused when the chain is built"),
+        DType::F32 => out.copy_from_slice(&(v.f64() as f32).to_ne_bytes()),
+        DType::F64 => out.copy_from_slice(&v.f64().to_ne_bytes()),
+    }
+}
+
+/// An element conversion waiting for the copy into the slot.
+#[derive(Debug, Clone)]
+enum Op {
+    /// `x * mul + add` as float32; the coefficients are indexed by the
+    /// elements' coordinates along `ids` (data axes, see [`NdView::ids`]).
+    Affine {
+        ids: Vec<usize>,
+        dims: Vec<u64>,
+        coefficients: Vec<(f64, f64)>,
+    },
+    Cast(DType),
+}
+
+/// A strided view: element `[i0, i1, ...]` is at `offset + Σ i_k × strides[k]`.
+#[derive(Debug, Clone)]
+struct NdView {
+    backing: Backing,
+    offset: i64,
+    shape: Vec<u64>,
+    strides: Vec<i64>,
+    /// Which input axis each axis is (conversions bind to data axes, which
+    /// `rot90` and `permute` move).
+    ids: Vec<usize>,
+    dtype: DType,
+}
+
+impl NdView {
+    fn contiguous(backing: Backing, shape: Vec<u64>, ids: Vec<usize>, dtype: DType) -> NdView {
+        let mut strides = vec![1i64; shape.len()];
+        for k in (0..shape.len().saturating_sub(1)).rev() {
+            strides[k] = strides[k + 1] * shape[k + 1] as i64;
+        }
+        NdView { backing, offset: 0, shape, strides, ids, dtype }
+    }
+
+    fn flip(&mut self, axis: usize) {
+        self.offset += (self.shape[axis] as i64 - 1) * self.strides[axis];
+        self.strides[axis] = -self.strides[axis];
+    }
+
+    fn swap(&mut self, a: usize, b: usize) {
+        self.shape.swap(a, b);
+        self.strides.swap(a, b);
+        self.ids.swap(a, b);
+    }
+
+    fn permute(&mut self, perm: &[usize]) {
+        self.shape = permute(&self.shape, perm);
+        self.strides = permute(&self.strides, perm);
+        self.ids = permute(&self.ids, perm);
+    }
+
+    fn len(&self) -> u64 {
+        self.shape.iter().product()
+    }
+}
+
+/// Calls `f(element offset, multi-index)` for every element of `view` in C order.
+fn for_each(view: &NdView, mut f: impl FnMut(i64, &[u64])) {
+    if view.shape.contains(&0) {
+        return;
+    }
+    let rank = view.shape.len();
+    let mut index = vec![0u64; rank];
+    let mut at = view.offset;
+    loop {
+        f(at, &index);
+        let mut k = rank;
+        loop {
+            if k == 0 {
+                return;
+            }
+            k -= 1;
+            index[k] += 1;
+            at += view.strides[k];
+            if index[k] < view.shape[k] {
+                break;
+            }
+            at -= view.strides[k] * view.shape[k] as i64;
+            index[k] = 0;
+        }
+    }
+}
+
+/// Copies `view` of `src` into `dst` in C order, running `ops`; `dst` holds
+/// the view's elements as `out` (the dtype after the ops).
+fn write_out(src: &[u8], view: &NdView, ops: &[Op], out: DType, dst: &mut [u8]) {
+    let size = view.dtype.size();
+    let rank = view.shape.len();
+    if ops.is_empty() && rank > 0 && view.strides[rank - 1] == 1 {
+        // Whole rows at a time.
+        let row = view.shape[rank - 1] as usize * size;
+        let outer = NdView {
+            shape: view.shape[..rank - 1].to_vec(),
+            strides: view.strides[..rank - 1].to_vec(),
+            ..view.clone()
+        };
+        let mut chunks = dst.chunks_exact_mut(row.max(1));
+        for_each(&outer, |at, _| {
+            let from = at as usize * size;
+            if let Some(chunk) = chunks.next() {
+                chunk.copy_from_slice(&src[from..from + row]);
+            }
+        });
+        return;
+    }
+    // Per conversion: (position, multiplier) pairs giving the coefficient index.
+    let lookups: Vec<Vec<(usize, u64)>> = ops
+        .iter()
+        .map(|op| match op {
+            Op::Affine { ids, dims, .. } => {
+                let mut mult = 1u64;
+                let mut pairs: Vec<(usize, u64)> = ids
+                    .iter()
+                    .zip(dims)
+                    .rev()
+                    .map(|(id, &d)| {
+                        let pos = view.ids.iter().position(|i| i == id).expect("conversions bind to present axes");
+                        let pair = (pos, mult);
+                        mult *= d;
+                        pair
+                    })
+                    .collect();
+                pairs.reverse();
+                pairs
+            }
+            Op::Cast(_) => Vec::new(),
+        })
+        .collect();
+    let out_size = out.size();
+    let mut n = 0usize;
+    for_each(view, |at, index| {
+        let from = at as usize * size;
+        let mut v = read(view.dtype, &src[from..from + size]);
+        for (op, lookup) in ops.iter().zip(&lookups) {
+            v = match op {
+                Op::Cast(dtype) => v.cast(*dtype),
+                Op::Affine { coefficients, .. } => {
+                    let i = lookup.iter().map(|&(pos, m)| index[pos] * m).sum::<u64>() as usize;
+                    let (mul, add) = coefficients[i];
+                    Num::F(f64::from((v.f64() * mul + add) as f32))
+                }
+            };
+        }
+        write(out, v, &mut dst[n * out_size..(n + 1) * out_size]);
+        n += 1;
+    });
+}
+
+impl Chain {
+    /// [`Chain::output`] for the n-dimensional engine.
+    pub(super) fn output_nd(
+        &self,
+        dtype: DType,
+        shape: &[Option<u64>],
+    ) -> Result<(DType, Vec<Option<u64>>), TransformError> {
+        let input = |message: String| TransformError::Input { field: self.field.clone(), message };
+        let mut roles = Roles::of(self.spatial, shape.len()).map_err(input)?;
+        let mut shape = shape.to_vec();
+        let mut dtype_out = dtype;
+        let check = |step: &dyn Fn() -> String, shape: &[Option<u64>], dtype: DType| {
+            let known: Vec<u64> = shape.iter().map(|d| d.unwrap_or(1)).collect();
+            let bytes = known.iter().try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d));
+            match bytes {
+                Some(b) if b <= self.max_bytes => Ok(()),
+                bytes => Err(TransformError::TooLarge {
+                    field: self.field.clone(),
+                    step: step(),
+                    dtype,
+                    shape: known,
+                    bytes,
+                    limit: self.max_bytes,
+                }),
+            }
+        };
+        check(&|| "the value as read".to_string(), &shape, dtype)?;
+        for step in &self.steps {
+            let (y, x) = (roles.y, roles.x);
+            match step {
+                Step::CenterCrop { height, width } | Step::RandomCrop { height, width } => {
+                    if let (Some(hh), Some(ww)) = (shape[y], shape[x])
+                        && (*height > hh || *width > ww)
+                    {
+                        return Err(input(format!(
+                            "{}: cannot crop {height}×{width} from {hh}×{ww} (axes {y} and {x} of {})",
+                            step.describe(),
+                            fmt_shape(&shape)
+                        )));
+                    }
+                    (shape[y], shape[x]) = (Some(*height), Some(*width));
+                }
+                Step::NormalizeFrom { .. } => return Err(input(format!("{} was not resolved", step.describe()))),
+                Step::Resize { .. } => {
+                    return Err(input(
+                        "resize works on [h, w] and [h, w, c] images with crops, hflip, to_f32, normalize and chw \
+                         only; use downsample for other arrays"
+                            .into(),
+                    ));
+                }
+                Step::RandomHFlip | Step::RandomVFlip => {}
+                Step::RandomRot90 => {
+                    if let (Some(h), Some(w)) = (shape[y], shape[x])
+                        && h != w
+                    {
+                        return Err(input(format!(
+                            "rot90 needs equal spatial sizes, not {h}×{w} (axes {y} and {x} of {}); crop a square first",
+                            fmt_shape(&shape)
+                        )));
+                    }
+                }
+                Step::ToF32 { .. } => dtype_out = DType::F32,
+                Step::Cast { dtype } => dtype_out = *dtype,
+                Step::Normalize { mean, .. } => {
+                    if mean.len() > 1 {
+                        let last = shape.last().copied().flatten();
+                        if last.is_some_and(|c| c != mean.len() as u64) {
+                            return Err(input(format!(
+                                "normalize has {} means for the last axis of {}; give one per element of that axis, \
+                                 or one for all",
+                                mean.len(),
+                                fmt_shape(&shape)
+                            )));
+                        }
+                    }
+                    dtype_out = DType::F32;
+                }
+                Step::NormalizeTrailing { dims, .. } => {
+                    let fits = dims.len() <= shape.len()
+                        && shape[shape.len() - dims.len()..].iter().zip(dims).all(|(s, d)| s.is_none_or(|s| s == *d));
+                    if !fits {
+                        return Err(input(format!(
+                            "normalize statistics of shape {dims:?} do not match the trailing axes of {}",
+                            fmt_shape(&shape)
+                        )));
+                    }
+                    dtype_out = DType::F32;
+                }
+                Step::Permute { axes } => {
+                    if axes.len() != shape.len() {
+                        return Err(input(format!(
+                            "permute {axes:?} names {} axes but the array is {}",
+                            axes.len(),
+                            fmt_shape(&shape)
+                        )));
+                    }
+                    shape = permute(&shape, axes);
+                    roles = roles.permuted(axes);
+                }
+                Step::ToChw => match chw_perm(roles, shape.len()) {
+                    Some(perm) => {
+                        shape = permute(&shape, &perm);
+                        roles = roles.permuted(&perm);
+                    }
+                    None => {
+                        let at = roles.y.min(roles.x);
+                        shape.insert(at, Some(1));
+                        roles = Roles { y: roles.y + 1, x: roles.x + 1, channel: Some(at) };
+                    }
+                },
+                Step::Downsample { factor, mean } => {
+                    for a in [y, x] {
+                        if let Some(d) = shape[a] {
+                            if d / factor == 0 {
+                                return Err(input(format!(
+                                    "downsample by {factor} leaves nothing of axis {a} ({d}) of {}",
+                                    fmt_shape(&shape)
+                                )));
+                            }
+                            shape[a] = Some(d / factor);
+                        }
+                    }
+                    if *mean && dtype_out != DType::F64 {
+                        dtype_out = DType::F32;
+                    }
+                }
+            }
+            check(&|| step.describe(), &shape, dtype_out)?;
+        }
+        Ok((dtype_out, shape))
+    }
+
+    /// [`Chain::apply`] for the n-dimensional engine.
+    pub(super) fn apply_nd(
+        &self,
+        input: ArrayRef<'_>,
+        key: SampleKey,
+        leader_shape: Option<&[u64]>,
+        scratch: &mut Scratch,
+        dst: &mut [u8],
+    ) -> Result<(), TransformError> {
+        let ArrayRef { bytes: input, dtype, shape } = input;
+        let err = |message: String| TransformError::Input { field: self.field.clone(), message };
+        let known: Vec<Option<u64>> = shape.iter().map(|&d| Some(d)).collect();
+        let (out_dtype, out_shape) = self.output_nd(dtype, &known)?;
+        let out_elems: u64 = out_shape.iter().map(|d| d.expect("known input gives a known output")).product();
+        if dst.len() as u64 != out_elems * out_dtype.size() as u64 {
+            return Err(err(format!(
+                "output is {out_dtype} {out_shape:?} but the destination holds {} bytes",
+                dst.len()
+            )));
+        }
+        let rank = shape.len();
+        let elems: u64 = shape.iter().product();
+        if input.len() as u64 != elems * dtype.size() as u64 {
+            return Err(err(format!("input holds {} bytes, not {dtype} {shape:?}", input.len())));
+        }
+        let mut roles = Roles::of(self.spatial, rank).map_err(&err)?;
+        let (h, w) = (shape[roles.y], shape[roles.x]);
+        let scale = self.pair.as_ref().map_or(1, |p| p.scale);
+        let mut lead = match (&self.pair, leader_shape) {
+            (None, _) => (h, w),
+            (Some(pair), Some(leader)) => {
+                let lroles = Roles::of(self.spatial, leader.len()).map_err(&err)?;
+                let (lh, lw) = (leader[lroles.y], leader[lroles.x]);
+                if h != pair.scale * lh || w != pair.scale * lw {
+                    return Err(err(format!(
+                        "is {h}×{w} but {:?} is {lh}×{lw}: at scale {} they must be {}×{}",
+                        pair.with,
+                        pair.scale,
+                        pair.scale * lh,
+                        pair.scale * lw
+                    )));
+                }
+                (lh, lw)
+            }
+            (Some(pair), None) => return Err(err(format!("pairs with {:?} but its shape was not given", pair.with))),
+        };
+        let mut view = NdView::contiguous(Backing::Input, shape.to_vec(), (0..rank).collect(), dtype);
+        let mut ops: Vec<Op> = Vec::new();
+        let mut converted = dtype; // the dtype after `ops`
+        let mut random = 0u64;
+        for step in &self.steps {
+            let (y, x) = (roles.y, roles.x);
+            match step {
+                Step::CenterCrop { height, width } | Step::RandomCrop { height, width } => {
+                    let (lh, lw) = (height / scale, width / scale);
+                    if lh > lead.0 || lw > lead.1 || *height > view.shape[y] || *width > view.shape[x] {
+                        return Err(err(format!(
+                            "cannot crop {height}×{width} from {}×{}",
+                            view.shape[y], view.shape[x]
+                        )));
+                    }
+                    let (top, left) = if matches!(step, Step::CenterCrop { .. }) {
+                        ((lead.0 - lh) / 2 * scale, (lead.1 - lw) / 2 * scale)
+                    } else {
+                        let r = draw(key, self.group, random);
+                        random += 1;
+                        (uniform(r, lead.0 - lh + 1) * scale, uniform(splitmix64(r), lead.1 - lw + 1) * scale)
+                    };
+                    if top + height > view.shape[y] || left + width > view.shape[x] {
+                        return Err(err(format!(
+                            "crop {height}×{width} at ({top}, {left}) does not fit in {}×{}; are the paired sizes \
+                             scale × the leader's?",
+                            view.shape[y], view.shape[x]
+                        )));
+                    }
+                    view.offset += top as i64 * view.strides[y] + left as i64 * view.strides[x];
+                    view.shape[y] = *height;
+                    view.shape[x] = *width;
+                    lead = (lh, lw);
+                }
+                Step::RandomHFlip | Step::RandomVFlip => {
+                    if draw(key, self.group, random) >> 63 == 1 {
+                        view.flip(if matches!(step, Step::RandomHFlip) { x } else { y });
+                    }
+                    random += 1;
+                }
+                Step::RandomRot90 => {
+                    // np.rot90(m, k, axes=(y, x)).
+                    match draw(key, self.group, random) >> 62 {
+                        1 => {
+                            view.flip(x);
+                            view.swap(y, x);
+                        }
+                        2 => {
+                            view.flip(y);
+                            view.flip(x);
+                        }
+                        3 => {
+                            view.swap(y, x);
+                            view.flip(x);
+                        }
+                        _ => {}
+                    }
+                    random += 1;
+                }
+                Step::ToF32 { scale } => {
+                    let s = f64::from(*scale);
+                    ops.push(Op::Affine { ids: vec![], dims: vec![], coefficients: vec![(s, 0.0)] });
+                    converted = DType::F32;
+                }
+                Step::Cast { dtype } => {
+                    ops.push(Op::Cast(*dtype));
+                    converted = *dtype;
+                }
+                Step::Normalize { mean, std } => {
+                    let coefficients = mean
+                        .iter()
+                        .zip(std)
+                        .map(|(&m, &s)| (1.0 / f64::from(s), -f64::from(m) / f64::from(s)))
+                        .collect();
+                    let (ids, dims) = if mean.len() == 1 {
+                        (vec![], vec![])
+                    } else {
+                        (vec![view.ids[view.ids.len() - 1]], vec![mean.len() as u64])
+                    };
+                    ops.push(Op::Affine { ids, dims, coefficients });
+                    converted = DType::F32;
+                }
+                Step::NormalizeTrailing { mean, std, dims } => {
+                    let coefficients = mean
+                        .iter()
+                        .zip(std)
+                        .map(|(&m, &s)| (1.0 / f64::from(s), -f64::from(m) / f64::from(s)))
+                        .collect();
+                    let ids = view.ids[view.ids.len() - dims.len()..].to_vec();
+                    ops.push(Op::Affine { ids, dims: dims.clone(), coefficients });
+                    converted = DType::F32;
+                }
+                Step::Permute { axes } => {
+                    view.permute(axes);
+                    roles = roles.permuted(axes);
+                }
+                Step::ToChw => match chw_perm(roles, view.shape.len()) {
+                    Some(perm) => {
+                        view.permute(&perm);
+                        roles = roles.permuted(&perm);
+                    }
+                    None => {
+                        let at = roles.y.min(roles.x);
+                        view.shape.insert(at, 1);
+                        view.strides.insert(at, 0);
+                        view.ids.insert(at, usize::MAX);
+                        roles = Roles { y: roles.y + 1, x: roles.x + 1, channel: Some(at) };
+                    }
+                },
+                Step::Downsample { factor, mean: false } => {
+                    let f = *factor;
+                    for a in [y, x] {
+                        view.shape[a] /= f;
+                        view.strides[a] *= f as i64;
+                    }
+                    lead = (lead.0 / f, lead.1 / f);
+                }
+                Step::Downsample { factor, mean: true } => {
+                    view = self.block_mean(input, view, &ops, converted, *factor, (y, x), scratch);
+                    ops.clear();
+                    converted = view.dtype;
+                    lead = (lead.0 / factor, lead.1 / factor);
+                }
+                Step::Resize { .. } | Step::NormalizeFrom { .. } => {
+                    return Err(err(format!("{} is not supported here", step.describe())));
+                }
+            }
+        }
+        let src = scratch.slice(input, view.backing);
+        write_out(src, &view, &ops, out_dtype, dst);
+        Ok(())
+    }
+
+    /// Materializes `view` with `ops`, then means `factor × factor` blocks of
+    /// its spatial axes `(y, x)` into fresh scratch memory.
+    #[allow(clippy::too_many_arguments)]
+    fn block_mean(
+        &self,
+        input: &[u8],
+        view: NdView,
+        ops: &[Op],
+        converted: DType,
+        factor: u64,
+        (y, x): (usize, usize),
+        scratch: &mut Scratch,
+    ) -> NdView {
+        let flat = {
+            let bytes = view.len() as usize * converted.size();
+            let (src, buf, backing) = scratch.split(input, view.backing);
+            write_out(src, &view, ops, converted, buf.resize(bytes));
+            NdView::contiguous(backing, view.shape.clone(), view.ids.clone(), converted)
+        };
+        let out_dtype = if converted == DType::F64 { DType::F64 } else { DType::F32 };
+        let mut out_shape = flat.shape.clone();
+        out_shape[y] /= factor;
+        out_shape[x] /= factor;
+        let reduced = NdView { shape: out_shape.clone(), ..flat.clone() };
+        let bytes = reduced.len() as usize * out_dtype.size();
+        let (src, buf, backing) = scratch.split(input, flat.backing);
+        let dst = buf.resize(bytes);
+        let size = flat.dtype.size();
+        let (sy, sx) = (flat.strides[y], flat.strides[x]);
+        let f = factor as i64;
+        let area = (factor * factor) as f64;
+        let mut n = 0usize;
+        // `reduced` walks block corners with the flat strides times the factor.
+        let corners = NdView {
+            strides: flat.strides.iter().enumerate().map(|(k, &s)| if k == y || k == x { s * f } else { s }).collect(),
+            ..reduced
+        };
+        for_each(&corners, |at, _| {
+            let mut sum = 0.0f64;
+            for dy in 0..f {
+                for dx in 0..f {
+                    let from = (at + dy * sy + dx * sx) as usize * size;
+                    sum += read(flat.dtype, &src[from..from + size]).f64();
+                }
+            }
+            let o = out_dtype.size();
+            write(out_dtype, Num::F(sum / area), &mut dst[n * o..(n + 1) * o]);
+            n += 1;
+        });
+        NdView::contiguous(backing, out_shape, flat.ids, out_dtype)
+    }
+}
+
+fn fmt_shape(shape: &[Option<u64>]) -> String {
+    let dims: Vec<String> = shape.iter().map(|d| d.map_or_else(|| "?".to_string(), |d| d.to_string())).collect();
+    format!("[{}]", dims.join(", "))
+}
