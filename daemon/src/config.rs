@@ -909,7 +909,7 @@ mod tests {
         }
         let cfg = Config::parse(&uncommented, path).unwrap();
         let names: Vec<_> = cfg.datasets.keys().cloned().collect();
-        assert_eq!(names, ["div2k", "imagenet", "shear_flow", "train"]);
+        assert_eq!(names, ["div2k", "imagenet", "shear_flow", "shear_flow_split", "train"]);
         cfg.validate(path).unwrap();
     }
 

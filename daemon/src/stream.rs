@@ -1055,14 +1055,14 @@ mod tests {
         }
 
         fn take(&mut self) -> Record {
-            match self.try_take(Duration::from_secs(10)) {
+            match self.try_take(Duration::from_secs(60)) {
                 Some((_, rec)) => rec,
                 None => {
                     let st = self.stream.lock();
                     let states: Vec<_> = st.slots.iter().map(|s| format!("{:?}", s.state)).collect();
                     let c = self.stream.control().control();
                     panic!(
-                        "no record within 10 s: epoch {} step {} produce {}:{} published {} exhausted {:?} slots {states:?} \
+                        "no record within 60 s: epoch {} step {} produce {}:{} published {} exhausted {:?} slots {states:?} \
                          waiting {} released {} reclaimed {} consumed {}",
                         st.epoch,
                         st.next_deliver,
