@@ -1,4 +1,6 @@
-//! PNG and JPEG values, decoded with zune-png / zune-jpeg into HWC arrays.
+//! PNG and JPEG values, decoded into HWC arrays: PNG with zune-png, JPEG
+//! with libjpeg-turbo (through csrc/jpeg_turbo.c, with Pillow's settings),
+//! optionally scaled in the DCT domain and cropped while decoding.
 //!
 //! PNG: 1/2/4/8-bit samples become uint8 (sub-byte gray scaled to 0–255, as
 //! libpng and Pillow do), 16-bit become native-endian uint16; palettes expand
@@ -11,12 +13,11 @@
 use stoker_proto::DType;
 use zune_core::bit_depth::{BitDepth, ByteEndian};
 use zune_core::bytestream::ZCursor;
-use zune_core::colorspace::ColorSpace;
 use zune_core::options::DecoderOptions;
-use zune_jpeg::JpegDecoder;
 use zune_png::PngDecoder;
 
 use super::{ArrayInfo, CodecError};
+use crate::libjpeg;
 
 /// The 8-byte PNG signature.
 pub(super) const PNG_SIGNATURE: &[u8] = b"\x89PNG\r\n\x1a\n";
@@ -140,31 +141,82 @@ fn trns_chunk(value: &[u8]) -> Option<&[u8]> {
     }
 }
 
+/// DCT-domain scale denominators libjpeg-turbo decodes at (1/1, 1/2, 1/4, 1/8).
+pub const JPEG_SCALES: [u32; 4] = [1, 2, 4, 8];
+
+/// A region of a decoded image: rows `top..top + height`, columns `left..left + width`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Region {
+    /// First row kept.
+    pub top: u32,
+    /// First column kept.
+    pub left: u32,
+    /// Rows kept.
+    pub height: u32,
+    /// Columns kept.
+    pub width: u32,
+}
+
 /// Reads a JPEG's markers up to the first scan.
 pub(super) fn probe_jpeg(value: &[u8]) -> Result<ArrayInfo, CodecError> {
-    let mut decoder = JpegDecoder::new_with_options(ZCursor::new(value), jpeg_options(ColorSpace::RGB));
-    decoder.decode_headers().map_err(|e| jpeg_err(e.to_string()))?;
-    let (width, height) = decoder.dimensions().ok_or_else(|| jpeg_err("no frame header"))?;
-    let channels = if decoder.input_colorspace() == Some(ColorSpace::Luma) { 1 } else { 3 };
-    Ok(ArrayInfo { dtype: DType::U8, shape: vec![height as u64, width as u64, channels] })
+    probe_jpeg_scaled(value, 1)
+}
+
+/// The decoded dtype and shape of a JPEG decoded at 1/`denom` of its size
+/// (`denom` one of [`JPEG_SCALES`]; each side becomes `ceil(side / denom)`).
+pub fn probe_jpeg_scaled(value: &[u8], denom: u32) -> Result<ArrayInfo, CodecError> {
+    assert!(JPEG_SCALES.contains(&denom), "JPEG scale 1/{denom} is not one of 1/1, 1/2, 1/4, 1/8");
+    let (width, height, channels) = libjpeg::header(value, denom).map_err(jpeg_err)?;
+    if width == 0 || height == 0 || width as usize > MAX_SIDE || height as usize > MAX_SIDE {
+        return Err(jpeg_err(format!("image is {width}×{height}")));
+    }
+    Ok(ArrayInfo { dtype: DType::U8, shape: vec![u64::from(height), u64::from(width), u64::from(channels)] })
 }
 
 /// Decodes a JPEG into `dst` (exactly the image's bytes); checks it against `expect` first.
 pub(super) fn decode_jpeg(value: &[u8], expect: Option<&ArrayInfo>, dst: &mut [u8]) -> Result<ArrayInfo, CodecError> {
     let found = probe_jpeg(value)?;
     check(expect, &found, dst)?;
+    decode_jpeg_region(value, 1, &found, None, dst)
+
+}
+
+/// Decodes `region` (all of it if `None`) of a JPEG scaled to 1/`denom`
+/// (`full`: what [`probe_jpeg_scaled`] says of it at that scale) into `dst`, which holds exactly the region's `height × width × channels` bytes;
+/// returns the region's dtype and shape. Rows below the region are never
+/// decoded, nor are whole iMCU columns (8–16 pixels at full scale) left or
+/// right of it; the pixels equal those of the full decode at that scale.
+pub fn decode_jpeg_region(
+    value: &[u8],
+    denom: u32,
+    full: &ArrayInfo,
+    region: Option<Region>,
+    dst: &mut [u8],
+) -> Result<ArrayInfo, CodecError> {
+    let (height, width, channels) = (full.shape[0] as u32, full.shape[1] as u32, full.shape[2] as u32);
+    let r = region.unwrap_or(Region { top: 0, left: 0, height, width });
+    if r.height == 0
+        || r.width == 0
+        || u64::from(r.top) + u64::from(r.height) > u64::from(height)
+        || u64::from(r.left) + u64::from(r.width) > u64::from(width)
+    {
+        return Err(jpeg_err(format!(
+            "region {}×{} at ({}, {}) does not fit in the {height}×{width} image",
+            r.height, r.width, r.top, r.left
+        )));
+    }
+    let info = ArrayInfo { dtype: DType::U8, shape: vec![u64::from(r.height), u64::from(r.width), u64::from(channels)] };
+    assert_eq!(dst.len(), info.bytes(), "JPEG destination must hold exactly the decoded region");
     if !ends_after_last_scan(value) {
         return Err(jpeg_err("truncated: no end-of-image marker after the last scan"));
     }
-    let out = if found.shape[2] == 1 { ColorSpace::Luma } else { ColorSpace::RGB };
-    let mut decoder = JpegDecoder::new_with_options(ZCursor::new(value), jpeg_options(out));
-    decoder.decode_into(dst).map_err(|e| jpeg_err(e.to_string()))?;
-    Ok(found)
+    libjpeg::decode(value, denom, width, (r.left, r.top, r.width, r.height), channels, dst).map_err(jpeg_err)?;
+    Ok(info)
 }
 
 /// Whether an EOI marker (FF D9) follows the last SOS marker (FF DA).
 ///
-/// zune-jpeg, like browsers, fills a truncated image with gray; Pillow raises.
+/// libjpeg, like browsers, fills a truncated image with gray; Pillow raises.
 /// Entropy-coded data stuffs every FF byte (FF 00), so neither marker can
 /// occur inside a scan: scanning back from the end for whichever comes first
 /// tells a complete file (trailing bytes after EOI allowed) from a cut one.
@@ -179,10 +231,6 @@ fn ends_after_last_scan(value: &[u8]) -> bool {
         }
     }
     false
-}
-
-fn jpeg_options(out: ColorSpace) -> DecoderOptions {
-    DecoderOptions::default().jpeg_set_out_colorspace(out).set_max_width(MAX_SIDE).set_max_height(MAX_SIDE)
 }
 
 fn check(expect: Option<&ArrayInfo>, found: &ArrayInfo, dst: &[u8]) -> Result<(), CodecError> {
