@@ -1,4 +1,4 @@
-//! PNG and JPEG values, decoded into HWC arrays: PNG with zune-png, JPEG
+//! PNG and JPEG values, decoded into HWC arrays: PNG with the `png` crate, JPEG
 //! with libjpeg-turbo (through csrc/jpeg_turbo.c, with Pillow's settings),
 //! optionally scaled in the DCT domain and cropped while decoding.
 //!
@@ -11,22 +11,16 @@
 //! truncated JPEG is an error, as in Pillow, not a gray-filled image.
 
 use stoker_proto::DType;
-use zune_core::bit_depth::{BitDepth, ByteEndian};
-use zune_core::bytestream::ZCursor;
-use zune_core::options::DecoderOptions;
-use zune_png::PngDecoder;
+use std::io::Cursor;
+
 
 use super::{ArrayInfo, CodecError};
 use crate::libjpeg;
 
 /// The 8-byte PNG signature.
 pub(super) const PNG_SIGNATURE: &[u8] = b"\x89PNG\r\n\x1a\n";
-/// Largest width or height decoded (the decoders' own default is 16384).
+/// Largest width or height decoded.
 const MAX_SIDE: usize = 1 << 20;
-
-fn native_endian() -> ByteEndian {
-    if cfg!(target_endian = "little") { ByteEndian::LE } else { ByteEndian::BE }
-}
 
 fn png_err(message: impl Into<String>) -> CodecError {
     CodecError::malformed("png", message)
@@ -77,68 +71,28 @@ pub(super) fn probe_png(value: &[u8]) -> Result<ArrayInfo, CodecError> {
 
 /// Decodes a PNG into `dst` (exactly the image's bytes); checks it against `expect` first.
 pub(super) fn decode_png(value: &[u8], expect: Option<&ArrayInfo>, dst: &mut [u8]) -> Result<ArrayInfo, CodecError> {
-    let options = DecoderOptions::default()
-        .set_byte_endian(native_endian())
-        .png_set_confirm_crc(true)
-        .inflate_set_confirm_adler(true)
-        .set_max_width(MAX_SIDE)
-        .set_max_height(MAX_SIDE);
-    let mut decoder = PngDecoder::new_with_options(ZCursor::new(value), options);
-    decoder.decode_headers().map_err(|e| png_err(format!("{e:?}")))?;
-    let (width, height) = decoder.dimensions().ok_or_else(|| png_err("no image header"))?;
-    let channels = decoder.colorspace().ok_or_else(|| png_err("no image header"))?.num_components();
-    let dtype = match decoder.depth() {
-        Some(BitDepth::Sixteen) => DType::U16,
-        _ => DType::U8,
-    };
-    let found = ArrayInfo { dtype, shape: vec![height as u64, width as u64, channels as u64] };
+    let found = probe_png(value)?;
     check(expect, &found, dst)?;
-    decoder.decode_into(dst).map_err(|e| png_err(format!("{e:?}")))?;
-    if dtype == DType::U16 {
-        apply_trns16(value, channels, dst);
+    // The decoder's own allocations (rows, ancillary chunks), not the image: it goes to `dst`.
+    let limits = png::Limits { bytes: (64usize << 20).max(dst.len().saturating_mul(2)) };
+    let mut decoder = png::Decoder::new_with_limits(Cursor::new(value), limits);
+    // Palette → RGB, sub-byte gray → 0–255, tRNS → alpha: what `probe_png` promised.
+    decoder.set_transformations(png::Transformations::EXPAND);
+    decoder.ignore_checksums(false); // CRCs and the zlib Adler-32, as libpng/Pillow check them
+    let mut reader = decoder.read_info().map_err(|e| png_err(e.to_string()))?;
+    let size = reader.output_buffer_size().ok_or_else(|| png_err("image too large to address"))?;
+    if size != dst.len() {
+        return Err(png_err(format!("decodes to {size} bytes, not the {} its header promises", dst.len())));
     }
-    Ok(found)
-}
-
-/// Sets the alpha of a 16-bit gray or RGB image with a `tRNS` colour key:
-/// 0 where the pixel equals the key, 65535 elsewhere. (zune-png 0.5 compares
-/// the key in the wrong byte order for 16-bit samples, so it never matches on
-/// little-endian hosts; this redoes that step from the decoded pixels.)
-fn apply_trns16(value: &[u8], channels: usize, dst: &mut [u8]) {
-    let color = value.get(25).copied();
-    let colour_channels = match color {
-        Some(0) => 1,
-        Some(2) => 3,
-        _ => return,
-    };
-    if channels != colour_channels + 1 {
-        return;
-    }
-    let Some(key) = trns_chunk(value).filter(|k| k.len() >= 2 * colour_channels) else { return };
-    let key: Vec<u16> = key.chunks_exact(2).take(colour_channels).map(|b| u16::from_be_bytes([b[0], b[1]])).collect();
-    for pixel in dst.chunks_exact_mut(2 * channels) {
-        let matches = pixel
-            .chunks_exact(2)
-            .take(colour_channels)
-            .zip(&key)
-            .all(|(sample, &k)| u16::from_ne_bytes([sample[0], sample[1]]) == k);
-        let alpha: u16 = if matches { 0 } else { u16::MAX };
-        pixel[2 * colour_channels..].copy_from_slice(&alpha.to_ne_bytes());
-    }
-}
-
-/// The data of the `tRNS` chunk before the first `IDAT`, if any.
-fn trns_chunk(value: &[u8]) -> Option<&[u8]> {
-    let mut at = 8usize;
-    loop {
-        let len = u32::from_be_bytes(value.get(at..at + 4)?.try_into().ok()?) as usize;
-        let kind = value.get(at + 4..at + 8)?;
-        match kind {
-            b"IDAT" => return None,
-            b"tRNS" => return value.get(at + 8..at + 8 + len),
-            _ => at = at.checked_add(12)?.checked_add(len)?,
+    reader.next_frame(dst).map_err(|e| png_err(e.to_string()))?;
+    // Through IEND, CRCs checked: a cut file is an error, as in Pillow.
+    reader.finish().map_err(|e| png_err(format!("after the image data: {e}")))?;
+    if found.dtype == DType::U16 && cfg!(target_endian = "little") {
+        for pair in dst.chunks_exact_mut(2) {
+            pair.swap(0, 1); // PNG samples are big-endian
         }
     }
+    Ok(found)
 }
 
 /// DCT-domain scale denominators libjpeg-turbo decodes at (1/1, 1/2, 1/4, 1/8).
