@@ -10,9 +10,8 @@
 //! orientation is not applied (as `np.asarray(Image.open(..))` does not). A
 //! truncated JPEG is an error, as in Pillow, not a gray-filled image.
 
-use stoker_proto::DType;
 use std::io::Cursor;
-
+use stoker_proto::DType;
 
 use super::{ArrayInfo, CodecError};
 use crate::libjpeg;
@@ -132,7 +131,6 @@ pub(super) fn decode_jpeg(value: &[u8], expect: Option<&ArrayInfo>, dst: &mut [u
     let found = probe_jpeg(value)?;
     check(expect, &found, dst)?;
     decode_jpeg_region(value, 1, &found, None, dst)
-
 }
 
 /// Decodes `region` (all of it if `None`) of a JPEG scaled to 1/`denom`
@@ -159,7 +157,8 @@ pub fn decode_jpeg_region(
             r.height, r.width, r.top, r.left
         )));
     }
-    let info = ArrayInfo { dtype: DType::U8, shape: vec![u64::from(r.height), u64::from(r.width), u64::from(channels)] };
+    let info =
+        ArrayInfo { dtype: DType::U8, shape: vec![u64::from(r.height), u64::from(r.width), u64::from(channels)] };
     assert_eq!(dst.len(), info.bytes(), "JPEG destination must hold exactly the decoded region");
     if !ends_after_last_scan(value) {
         return Err(jpeg_err("truncated: no end-of-image marker after the last scan"));
