@@ -15,7 +15,10 @@ same page-cached environment:
   float32/normalize → transpose, stacks the batch (collate) and returns it,
   pickled back to the parent through a pipe;
 * the same pool returning nothing (decode and transform cost alone, the
-  ceiling for any way of moving the batches back).
+  ceiling for any way of moving the batches back);
+* a torch ``DataLoader`` with 1, 2 and 3 persistent workers running the same
+  Pillow + numpy pipeline per image (default collate, tensors through
+  shared memory).
 
 Reported: median of --passes epochs per setting, images/s, and the ratio to
 the Pillow pool.
