@@ -154,6 +154,13 @@ int stoker_jpeg_decode(const uint8_t *data, size_t len, int denom, uint32_t left
     jpeg_start_decompress(&d);
     JDIMENSION x = left, w = width;
     if (x != 0 || w != d.output_width) {
+        /* One iMCU of margin each side: fancy chroma upsampling treats the
+         * crop's edges as image edges, so pixels next to them would differ
+         * from the full decode's (seen with 4:2:2 at 1/4 scale). */
+        JDIMENSION margin = (JDIMENSION)(d.max_h_samp_factor * d.min_DCT_scaled_size);
+        x = left > margin ? left - margin : 0;
+        JDIMENSION end = left + width + margin < d.output_width ? left + width + margin : d.output_width;
+        w = end - x;
         jpeg_crop_scanline(&d, &x, &w); /* widens to iMCU boundaries */
     }
     size_t shift = (size_t)(left - x) * (size_t)d.output_components;

@@ -321,7 +321,8 @@ fn array_sizes_saturate_instead_of_wrapping() {
 
 #[test]
 fn jpeg_region_decode_equals_cropping_the_full_decode() {
-    for file in ["jpeg/rgb_baseline420.jpg", "jpeg/rgb_baseline422.jpg", "jpeg/rgb_progressive.jpg", "jpeg/gray_baseline.jpg"]
+    for file in
+        ["jpeg/rgb_baseline420.jpg", "jpeg/rgb_baseline422.jpg", "jpeg/rgb_progressive.jpg", "jpeg/gray_baseline.jpg"]
     {
         let value = read(file);
         for denom in image::JPEG_SCALES {
@@ -330,7 +331,9 @@ fn jpeg_region_decode_equals_cropping_the_full_decode() {
             let mut whole = vec![0u8; full.bytes()];
             image::decode_jpeg_region(&value, denom, &full, None, &mut whole).unwrap();
             assert_eq!((h, w), (41u32.div_ceil(denom), 57u32.div_ceil(denom)), "{file} 1/{denom}");
-            for (top, left, rh, rw) in [(0, 0, h, w), (1, 3, h - 1, w - 3), (h / 3, w / 2, h - h / 3, 1), (0, w - 2, 1, 2)] {
+            for (top, left, rh, rw) in
+                [(0, 0, h, w), (1, 3, h - 1, w - 3), (h / 3, w / 2, h - h / 3, 1), (0, w - 2, 1, 2)]
+            {
                 let region = image::Region { top, left, height: rh, width: rw };
                 let mut got = vec![0u8; rh as usize * rw as usize * c];
                 let info = image::decode_jpeg_region(&value, denom, &full, Some(region), &mut got).unwrap();
