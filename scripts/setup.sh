@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything stoker needs on a fresh Debian machine and builds it:
-# libhdf5-dev and systemd (apt; `systemd-analyze verify` checks the unit in
+# libhdf5-dev, libjpeg62-turbo-dev and systemd (apt; `systemd-analyze verify` checks the unit in
 # config/systemd/), a virtualenv at .venv with maturin/numpy/h5py/pytest,
 # (and torch, for the torch-output tests), the release `stoker` binary, and the Python client (`stoker` package).
 # Idempotent: quick when everything is already there.
@@ -10,6 +10,8 @@ cd "$(dirname "$0")/.."
 need_apt=()
 dpkg -s libhdf5-dev >/dev/null 2>&1 || need_apt+=(libhdf5-dev)
 dpkg -s pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
+# libjpeg-turbo, the JPEG decoder (daemon/csrc/jpeg_turbo.c uses its libjpeg API).
+dpkg -s libjpeg62-turbo-dev >/dev/null 2>&1 || need_apt+=(libjpeg62-turbo-dev)
 # systemd-analyze/-sysusers/-tmpfiles for the deploy tests (client-py/tests/test_deploy.py).
 command -v systemd-analyze >/dev/null 2>&1 || need_apt+=(systemd)
 # Debian's own python3 needs python3-venv for `python3 -m venv` (pyenv/conda builds have it).

@@ -10,6 +10,7 @@ pub mod dataset;
 pub mod filter;
 pub mod fsaccess;
 pub mod inspect;
+pub mod libjpeg;
 pub mod metrics;
 pub mod ring;
 pub mod sampler;

@@ -1,4 +1,6 @@
-//! PNG and JPEG values, decoded with zune-png / zune-jpeg into HWC arrays.
+//! PNG and JPEG values, decoded into HWC arrays: PNG with the `png` crate, JPEG
+//! with libjpeg-turbo (through csrc/jpeg_turbo.c, with Pillow's settings),
+//! optionally scaled in the DCT domain and cropped while decoding.
 //!
 //! PNG: 1/2/4/8-bit samples become uint8 (sub-byte gray scaled to 0–255, as
 //! libpng and Pillow do), 16-bit become native-endian uint16; palettes expand
@@ -8,24 +10,16 @@
 //! orientation is not applied (as `np.asarray(Image.open(..))` does not). A
 //! truncated JPEG is an error, as in Pillow, not a gray-filled image.
 
+use std::io::Cursor;
 use stoker_proto::DType;
-use zune_core::bit_depth::{BitDepth, ByteEndian};
-use zune_core::bytestream::ZCursor;
-use zune_core::colorspace::ColorSpace;
-use zune_core::options::DecoderOptions;
-use zune_jpeg::JpegDecoder;
-use zune_png::PngDecoder;
 
 use super::{ArrayInfo, CodecError};
+use crate::libjpeg;
 
 /// The 8-byte PNG signature.
 pub(super) const PNG_SIGNATURE: &[u8] = b"\x89PNG\r\n\x1a\n";
-/// Largest width or height decoded (the decoders' own default is 16384).
+/// Largest width or height decoded.
 const MAX_SIDE: usize = 1 << 20;
-
-fn native_endian() -> ByteEndian {
-    if cfg!(target_endian = "little") { ByteEndian::LE } else { ByteEndian::BE }
-}
 
 fn png_err(message: impl Into<String>) -> CodecError {
     CodecError::malformed("png", message)
@@ -76,95 +70,106 @@ pub(super) fn probe_png(value: &[u8]) -> Result<ArrayInfo, CodecError> {
 
 /// Decodes a PNG into `dst` (exactly the image's bytes); checks it against `expect` first.
 pub(super) fn decode_png(value: &[u8], expect: Option<&ArrayInfo>, dst: &mut [u8]) -> Result<ArrayInfo, CodecError> {
-    let options = DecoderOptions::default()
-        .set_byte_endian(native_endian())
-        .png_set_confirm_crc(true)
-        .inflate_set_confirm_adler(true)
-        .set_max_width(MAX_SIDE)
-        .set_max_height(MAX_SIDE);
-    let mut decoder = PngDecoder::new_with_options(ZCursor::new(value), options);
-    decoder.decode_headers().map_err(|e| png_err(format!("{e:?}")))?;
-    let (width, height) = decoder.dimensions().ok_or_else(|| png_err("no image header"))?;
-    let channels = decoder.colorspace().ok_or_else(|| png_err("no image header"))?.num_components();
-    let dtype = match decoder.depth() {
-        Some(BitDepth::Sixteen) => DType::U16,
-        _ => DType::U8,
-    };
-    let found = ArrayInfo { dtype, shape: vec![height as u64, width as u64, channels as u64] };
+    let found = probe_png(value)?;
     check(expect, &found, dst)?;
-    decoder.decode_into(dst).map_err(|e| png_err(format!("{e:?}")))?;
-    if dtype == DType::U16 {
-        apply_trns16(value, channels, dst);
+    // The decoder's own allocations (rows, ancillary chunks), not the image: it goes to `dst`.
+    let limits = png::Limits { bytes: (64usize << 20).max(dst.len().saturating_mul(2)) };
+    let mut decoder = png::Decoder::new_with_limits(Cursor::new(value), limits);
+    // Palette → RGB, sub-byte gray → 0–255, tRNS → alpha: what `probe_png` promised.
+    decoder.set_transformations(png::Transformations::EXPAND);
+    decoder.ignore_checksums(false); // CRCs and the zlib Adler-32, as libpng/Pillow check them
+    let mut reader = decoder.read_info().map_err(|e| png_err(e.to_string()))?;
+    let size = reader.output_buffer_size().ok_or_else(|| png_err("image too large to address"))?;
+    if size != dst.len() {
+        return Err(png_err(format!("decodes to {size} bytes, not the {} its header promises", dst.len())));
+    }
+    reader.next_frame(dst).map_err(|e| png_err(e.to_string()))?;
+    // Through IEND, CRCs checked: a cut file is an error, as in Pillow.
+    reader.finish().map_err(|e| png_err(format!("after the image data: {e}")))?;
+    if found.dtype == DType::U16 && cfg!(target_endian = "little") {
+        for pair in dst.chunks_exact_mut(2) {
+            pair.swap(0, 1); // PNG samples are big-endian
+        }
     }
     Ok(found)
 }
 
-/// Sets the alpha of a 16-bit gray or RGB image with a `tRNS` colour key:
-/// 0 where the pixel equals the key, 65535 elsewhere. (zune-png 0.5 compares
-/// the key in the wrong byte order for 16-bit samples, so it never matches on
-/// little-endian hosts; this redoes that step from the decoded pixels.)
-fn apply_trns16(value: &[u8], channels: usize, dst: &mut [u8]) {
-    let color = value.get(25).copied();
-    let colour_channels = match color {
-        Some(0) => 1,
-        Some(2) => 3,
-        _ => return,
-    };
-    if channels != colour_channels + 1 {
-        return;
-    }
-    let Some(key) = trns_chunk(value).filter(|k| k.len() >= 2 * colour_channels) else { return };
-    let key: Vec<u16> = key.chunks_exact(2).take(colour_channels).map(|b| u16::from_be_bytes([b[0], b[1]])).collect();
-    for pixel in dst.chunks_exact_mut(2 * channels) {
-        let matches = pixel
-            .chunks_exact(2)
-            .take(colour_channels)
-            .zip(&key)
-            .all(|(sample, &k)| u16::from_ne_bytes([sample[0], sample[1]]) == k);
-        let alpha: u16 = if matches { 0 } else { u16::MAX };
-        pixel[2 * colour_channels..].copy_from_slice(&alpha.to_ne_bytes());
-    }
-}
+/// DCT-domain scale denominators libjpeg-turbo decodes at (1/1, 1/2, 1/4, 1/8).
+pub const JPEG_SCALES: [u32; 4] = [1, 2, 4, 8];
 
-/// The data of the `tRNS` chunk before the first `IDAT`, if any.
-fn trns_chunk(value: &[u8]) -> Option<&[u8]> {
-    let mut at = 8usize;
-    loop {
-        let len = u32::from_be_bytes(value.get(at..at + 4)?.try_into().ok()?) as usize;
-        let kind = value.get(at + 4..at + 8)?;
-        match kind {
-            b"IDAT" => return None,
-            b"tRNS" => return value.get(at + 8..at + 8 + len),
-            _ => at = at.checked_add(12)?.checked_add(len)?,
-        }
-    }
+/// A region of a decoded image: rows `top..top + height`, columns `left..left + width`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Region {
+    /// First row kept.
+    pub top: u32,
+    /// First column kept.
+    pub left: u32,
+    /// Rows kept.
+    pub height: u32,
+    /// Columns kept.
+    pub width: u32,
 }
 
 /// Reads a JPEG's markers up to the first scan.
 pub(super) fn probe_jpeg(value: &[u8]) -> Result<ArrayInfo, CodecError> {
-    let mut decoder = JpegDecoder::new_with_options(ZCursor::new(value), jpeg_options(ColorSpace::RGB));
-    decoder.decode_headers().map_err(|e| jpeg_err(e.to_string()))?;
-    let (width, height) = decoder.dimensions().ok_or_else(|| jpeg_err("no frame header"))?;
-    let channels = if decoder.input_colorspace() == Some(ColorSpace::Luma) { 1 } else { 3 };
-    Ok(ArrayInfo { dtype: DType::U8, shape: vec![height as u64, width as u64, channels] })
+    probe_jpeg_scaled(value, 1)
+}
+
+/// The decoded dtype and shape of a JPEG decoded at 1/`denom` of its size
+/// (`denom` one of [`JPEG_SCALES`]; each side becomes `ceil(side / denom)`).
+pub fn probe_jpeg_scaled(value: &[u8], denom: u32) -> Result<ArrayInfo, CodecError> {
+    assert!(JPEG_SCALES.contains(&denom), "JPEG scale 1/{denom} is not one of 1/1, 1/2, 1/4, 1/8");
+    let (width, height, channels) = libjpeg::header(value, denom).map_err(jpeg_err)?;
+    if width == 0 || height == 0 || width as usize > MAX_SIDE || height as usize > MAX_SIDE {
+        return Err(jpeg_err(format!("image is {width}×{height}")));
+    }
+    Ok(ArrayInfo { dtype: DType::U8, shape: vec![u64::from(height), u64::from(width), u64::from(channels)] })
 }
 
 /// Decodes a JPEG into `dst` (exactly the image's bytes); checks it against `expect` first.
 pub(super) fn decode_jpeg(value: &[u8], expect: Option<&ArrayInfo>, dst: &mut [u8]) -> Result<ArrayInfo, CodecError> {
     let found = probe_jpeg(value)?;
     check(expect, &found, dst)?;
+    decode_jpeg_region(value, 1, &found, None, dst)
+}
+
+/// Decodes `region` (all of it if `None`) of a JPEG scaled to 1/`denom`
+/// (`full`: what [`probe_jpeg_scaled`] says of it at that scale) into `dst`, which holds exactly the region's `height × width × channels` bytes;
+/// returns the region's dtype and shape. Rows below the region are never
+/// decoded, nor are whole iMCU columns (8–16 pixels at full scale) left or
+/// right of it; the pixels equal those of the full decode at that scale.
+pub fn decode_jpeg_region(
+    value: &[u8],
+    denom: u32,
+    full: &ArrayInfo,
+    region: Option<Region>,
+    dst: &mut [u8],
+) -> Result<ArrayInfo, CodecError> {
+    let (height, width, channels) = (full.shape[0] as u32, full.shape[1] as u32, full.shape[2] as u32);
+    let r = region.unwrap_or(Region { top: 0, left: 0, height, width });
+    if r.height == 0
+        || r.width == 0
+        || u64::from(r.top) + u64::from(r.height) > u64::from(height)
+        || u64::from(r.left) + u64::from(r.width) > u64::from(width)
+    {
+        return Err(jpeg_err(format!(
+            "region {}×{} at ({}, {}) does not fit in the {height}×{width} image",
+            r.height, r.width, r.top, r.left
+        )));
+    }
+    let info =
+        ArrayInfo { dtype: DType::U8, shape: vec![u64::from(r.height), u64::from(r.width), u64::from(channels)] };
+    assert_eq!(dst.len(), info.bytes(), "JPEG destination must hold exactly the decoded region");
     if !ends_after_last_scan(value) {
         return Err(jpeg_err("truncated: no end-of-image marker after the last scan"));
     }
-    let out = if found.shape[2] == 1 { ColorSpace::Luma } else { ColorSpace::RGB };
-    let mut decoder = JpegDecoder::new_with_options(ZCursor::new(value), jpeg_options(out));
-    decoder.decode_into(dst).map_err(|e| jpeg_err(e.to_string()))?;
-    Ok(found)
+    libjpeg::decode(value, denom, width, (r.left, r.top, r.width, r.height), channels, dst).map_err(jpeg_err)?;
+    Ok(info)
 }
 
 /// Whether an EOI marker (FF D9) follows the last SOS marker (FF DA).
 ///
-/// zune-jpeg, like browsers, fills a truncated image with gray; Pillow raises.
+/// libjpeg, like browsers, fills a truncated image with gray; Pillow raises.
 /// Entropy-coded data stuffs every FF byte (FF 00), so neither marker can
 /// occur inside a scan: scanning back from the end for whichever comes first
 /// tells a complete file (trailing bytes after EOI allowed) from a cut one.
@@ -179,10 +184,6 @@ fn ends_after_last_scan(value: &[u8]) -> bool {
         }
     }
     false
-}
-
-fn jpeg_options(out: ColorSpace) -> DecoderOptions {
-    DecoderOptions::default().jpeg_set_out_colorspace(out).set_max_width(MAX_SIDE).set_max_height(MAX_SIDE)
 }
 
 fn check(expect: Option<&ArrayInfo>, found: &ArrayInfo, dst: &[u8]) -> Result<(), CodecError> {

@@ -428,6 +428,43 @@ impl Codec {
             }
         }
     }
+
+    /// [`Codec::decode`], except that a JPEG is decoded scaled in the DCT
+    /// domain (libjpeg-turbo's 1/2, 1/4 or 1/8) to the smallest size still at
+    /// least `at_least` (height, width), choosing the scale as Pillow's
+    /// `Image.draft` does, for a resize to that size that follows; other
+    /// formats, and JPEGs less than twice as large, decode whole.
+    pub fn decode_at_least(
+        &self,
+        value: &[u8],
+        out: &mut impl DecodeOutput,
+        scratch: &mut Vec<u8>,
+        max_bytes: u64,
+        at_least: (u64, u64),
+    ) -> Result<ArrayInfo, CodecError> {
+        if !matches!(self.format, Format::Jpeg) {
+            return self.decode(value, out, scratch, max_bytes);
+        }
+        let plain: &[u8] = match self.wrap {
+            Wrap::None => value,
+            wrap => {
+                wrap.decompress(value, scratch)?;
+                scratch
+            }
+        };
+        let full = image::probe_jpeg(plain)?;
+        let (h, w) = (full.shape[0], full.shape[1]);
+        // Pillow's `Image.draft` rule: the largest denominator d with d × target
+        // ≤ the image on both sides (the scaled side, ceil(side / d), is then ≥ target).
+        let denom = image::JPEG_SCALES
+            .into_iter()
+            .rev()
+            .find(|&d| at_least.0.saturating_mul(u64::from(d)) <= h && at_least.1.saturating_mul(u64::from(d)) <= w)
+            .unwrap_or(1);
+        let info = if denom == 1 { full } else { image::probe_jpeg_scaled(plain, denom)? };
+        let bytes = info.check_size(max_bytes)?;
+        image::decode_jpeg_region(plain, denom, &info, None, out.alloc(bytes))
+    }
 }
 
 /// A reusable buffer [`Codec::decode`] sizes to the decoded value.

@@ -327,3 +327,36 @@ fn array_sizes_saturate_instead_of_wrapping() {
     assert_eq!(info.bytes(), usize::MAX);
     assert!(matches!(info.check_size(u64::MAX), Err(CodecError::TooLarge { bytes: None, .. })));
 }
+
+#[test]
+fn jpeg_region_decode_equals_cropping_the_full_decode() {
+    for file in
+        ["jpeg/rgb_baseline420.jpg", "jpeg/rgb_baseline422.jpg", "jpeg/rgb_progressive.jpg", "jpeg/gray_baseline.jpg"]
+    {
+        let value = read(file);
+        for denom in image::JPEG_SCALES {
+            let full = image::probe_jpeg_scaled(&value, denom).unwrap();
+            let (h, w, c) = (full.shape[0] as u32, full.shape[1] as u32, full.shape[2] as usize);
+            let mut whole = vec![0u8; full.bytes()];
+            image::decode_jpeg_region(&value, denom, &full, None, &mut whole).unwrap();
+            assert_eq!((h, w), (41u32.div_ceil(denom), 57u32.div_ceil(denom)), "{file} 1/{denom}");
+            for (top, left, rh, rw) in
+                [(0, 0, h, w), (1, 3, h - 1, w - 3), (h / 3, w / 2, h - h / 3, 1), (0, w - 2, 1, 2)]
+            {
+                let region = image::Region { top, left, height: rh, width: rw };
+                let mut got = vec![0u8; rh as usize * rw as usize * c];
+                let info = image::decode_jpeg_region(&value, denom, &full, Some(region), &mut got).unwrap();
+                assert_eq!(info.shape, vec![u64::from(rh), u64::from(rw), c as u64]);
+                let want: Vec<u8> = (top..top + rh)
+                    .flat_map(|y| {
+                        let at = (y as usize * w as usize + left as usize) * c;
+                        whole[at..at + rw as usize * c].iter().copied()
+                    })
+                    .collect();
+                assert!(got == want, "{file} 1/{denom} region {region:?} differs from the full decode");
+            }
+            let outside = image::Region { top: h, left: 0, height: 1, width: 1 };
+            assert!(image::decode_jpeg_region(&value, denom, &full, Some(outside), &mut [0u8; 3][..c]).is_err());
+        }
+    }
+}

@@ -581,7 +581,15 @@ impl LmdbSource {
             }
             return Ok(());
         }
-        let info = plan.codec.decode(value, decoded, scratch, self.max_value_bytes).map_err(codec_err)?;
+        // A JPEG whose chain starts by shrinking it decodes DCT-scaled (not for
+        // paired fields: their geometry is checked against the full size).
+        let info = match leading_shrink(chain) {
+            Some(size) if plan.leader.is_none() && !plan.has_followers => {
+                plan.codec.decode_at_least(value, decoded, scratch, self.max_value_bytes, size)
+            }
+            _ => plan.codec.decode(value, decoded, scratch, self.max_value_bytes),
+        }
+        .map_err(codec_err)?;
         let leader_shape = plan.leader.and_then(|l| shapes[l].as_deref());
         let known: Vec<Option<u64>> = info.shape.iter().map(|&d| Some(d)).collect();
         let (out_dtype, out_shape) = chain.output(info.dtype, &known).map_err(|e| err(e.to_string()))?;
@@ -625,6 +633,18 @@ impl LmdbSource {
         }
         shapes[i] = Some(info.shape);
         Ok(())
+    }
+}
+
+/// The size a chain's first step resizes to, when that step is an
+/// interpolating resize (a nearest-neighbour one keeps exact pixel values,
+/// which a scaled decode would not).
+fn leading_shrink(chain: &transform::Chain) -> Option<(u64, u64)> {
+    match chain.steps().first() {
+        Some(transform::Step::Resize { height, width, filter }) if *filter != transform::Filter::Nearest => {
+            Some((*height, *width))
+        }
+        _ => None,
     }
 }
 
