@@ -450,24 +450,38 @@ impl Stream {
             return;
         }
         self.drain(st);
-        self.fill(st);
-        let full = self.publish(st);
-        // Production waits for the client: no slot is free and none fills.
-        let blocked = self.sampler.batches_per_epoch() > 0
-            && !st.slots.iter().any(|s| matches!(s.state, SlotState::Free | SlotState::Filling { .. }));
-        if blocked || full {
+        loop {
+            // Publishing can free slots (a failed batch's): fill and publish
+            // again while records go out (at most the queue's room of rounds).
+            let mut full;
+            loop {
+                let before = st.publisher.published();
+                self.fill(st);
+                full = self.publish(st);
+                if full || st.closed || st.publisher.published() == before {
+                    break;
+                }
+            }
+            // With no fill running, only the client can move the stream: ask it for word.
+            let blocked = self.sampler.batches_per_epoch() > 0
+                && !st.slots.iter().any(|s| matches!(s.state, SlotState::Filling { .. }));
+            if st.closed || !(blocked || full) {
+                return;
+            }
             let control = self.shm.control.control();
+            let untaken = st.publisher.untaken(control);
             st.publisher.want_wake(control);
             // A release or a take that raced with the request: one side saw the other.
-            let before = st.publisher.untaken(control);
             let mut again = Vec::new();
-            let had = st.publisher.take_releases(control, &mut again).map(|()| !again.is_empty()).unwrap_or(false);
-            for id in again {
+            if st.publisher.take_releases(control, &mut again).is_err() {
+                self.drain(st); // closes the stream, naming why
+                return;
+            }
+            for &id in &again {
                 self.release_slot(st, id);
             }
-            if had || (full && st.publisher.untaken(control) < before) {
-                self.fill(st);
-                self.publish(st);
+            if again.is_empty() && !(full && st.publisher.untaken(control) < untaken) {
+                return;
             }
         }
     }
@@ -1291,6 +1305,22 @@ mod tests {
         assert!(matches!(stream.fetch(client.q.next_seq() - 1), Fetched::Unknown), "a message is fetched once");
         let rec = client.take();
         assert_eq!((rec.kind, rec.epoch, rec.step), (RecordKind::Batch, 3, 3));
+    }
+
+    #[test]
+    fn a_failed_batch_frees_its_slot_for_the_next_while_the_client_holds_the_rest() {
+        // Depth 2: the client holds batch 0 while batch 1 fails; the failed
+        // batch's slot must be filled again at once (nothing else will ask).
+        let source = Arc::new(Panicky { fields: vec![u64_field()], panic_on: 5 });
+        let stream = start(source, "held", 32, 4, 2, 1, (0, 0));
+        let mut client = Client::new(&stream);
+        let held = client.take();
+        assert_eq!((held.kind, held.step), (RecordKind::Batch, 0));
+        let failed = client.take();
+        assert_eq!((failed.kind, failed.step), (RecordKind::Failed, 1));
+        let next = client.try_take(Duration::from_secs(20)).expect("batch 2 while batch 0 is held").1;
+        assert_eq!((next.kind, next.step), (RecordKind::Batch, 2));
+        client.give_back(held.slot);
     }
 
     #[test]
