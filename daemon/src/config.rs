@@ -325,7 +325,7 @@ pub struct WindowConfig {
 
 impl WindowConfig {
     /// The window: `size`, else `n_steps_input + n_steps_output` (saturating;
-    /// [`WindowConfig::problem`] refuses an overflow).
+    /// `WindowConfig::problem` refuses an overflow).
     pub fn window(&self) -> crate::source::hdf5::Window {
         let split = self.n_steps_input.unwrap_or(0).saturating_add(self.n_steps_output.unwrap_or(0));
         crate::source::hdf5::Window { size: self.size.unwrap_or(split), stride: self.stride }

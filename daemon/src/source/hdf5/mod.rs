@@ -10,7 +10,7 @@
 //! per-item fields: The Well's `[trajectory, time, x, y, …]` layout and its
 //! `WellDataset` sampling (`dt` drawn per sample when `max_dt_stride` is
 //! larger). `constant` fields have no item axis: every sample of a file gets
-//! the whole dataset. [`Geometry`] holds that index math, checked at open.
+//! the whole dataset. `Geometry` holds that index math, checked at open.
 //!
 //! Files arrive opened by handle ([`crate::fsaccess`]); libhdf5 opens the
 //! same inode through `/proc/self/fd/N`. Metadata comes from libhdf5 at open;
