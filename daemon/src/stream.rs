@@ -634,6 +634,16 @@ impl Stream {
         let batches = self.sampler.batches_per_epoch();
         let depth = self.shm.ring.depth() as usize;
         while !st.closed && batches > 0 {
+            // Read ahead `depth` batches, no more: extra slots are for what
+            // the client holds, not for deeper prefetch (so they come back).
+            let running = st
+                .slots
+                .iter()
+                .filter(|s| matches!(s.state, SlotState::Filling { .. } | SlotState::Ready { .. }))
+                .count();
+            if running.saturating_add(self.untaken_batches(st).0 as usize) >= depth {
+                return;
+            }
             // Standard slots first, then extras of the standard layout.
             let free = st.slots.iter().enumerate().position(|(id, s)| {
                 s.state == SlotState::Free && (id < depth || s.segment.as_ref().is_some_and(|seg| !seg.oversize))
