@@ -29,8 +29,17 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import numpy as np
 
-from ._errors import AccessDenied, DaemonUnavailable, DatasetError, LimitError, ProtocolError, StokerError, Timeout
-from ._errors import DeviceUnavailable
+from . import _errors
+from ._errors import (
+    AccessDenied,
+    DaemonUnavailable,
+    DatasetError,
+    DeviceUnavailable,
+    LimitError,
+    ProtocolError,
+    StokerError,
+    Timeout,
+)
 from ._native import DEFAULT_SOCKET, SOCKET_ENV, NativeStream as _NativeStream, __version__
 from ._native import TRANSFORM_STEPS, parse_steps as _parse_steps
 from ._cli import daemon_binary
@@ -42,14 +51,7 @@ __all__ = [
     "LmdbSpec",
     "hdf5",
     "lmdb",
-    "StokerError",
-    "DaemonUnavailable",
-    "DatasetError",
-    "ProtocolError",
-    "LimitError",
-    "AccessDenied",
-    "Timeout",
-    "DeviceUnavailable",
+    *_errors.__all__,
     "__version__",
     "daemon_binary",
     "TRANSFORM_STEPS",
