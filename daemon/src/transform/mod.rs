@@ -328,6 +328,7 @@ impl Chain {
                         | Step::RandomRot90
                         | Step::Cast { .. }
                         | Step::NormalizeTrailing { .. }
+                        | Step::NormalizeFrom { .. }
                         | Step::Permute { .. }
                         | Step::Downsample { .. }
                 )
