@@ -41,6 +41,29 @@ impl Permutation {
         }
     }
 
+    /// Preimage of `y` (`y < n`): the `x` with `apply(x) == y`.
+    pub fn invert(&self, y: u64) -> u64 {
+        debug_assert!(y < self.n);
+        let mut x = y;
+        // Walks the same cycle backwards: the first value in range is the preimage.
+        loop {
+            x = self.feistel_inverse(x);
+            if x < self.n {
+                return x;
+            }
+        }
+    }
+
+    fn feistel_inverse(&self, y: u64) -> u64 {
+        let mask = (1u64 << self.half_bits) - 1;
+        let (mut left, mut right) = (y >> self.half_bits, y & mask);
+        for key in self.keys.iter().rev() {
+            let mixed = mix64(left ^ key) & mask;
+            (left, right) = (right ^ mixed, left);
+        }
+        (left << self.half_bits) | right
+    }
+
     fn feistel(&self, x: u64) -> u64 {
         let mask = (1u64 << self.half_bits) - 1;
         let (mut left, mut right) = (x >> self.half_bits, x & mask);
@@ -110,6 +133,33 @@ impl Sampler {
         self.shuffle.then(|| Permutation::new(self.n, self.seed, epoch))
     }
 
+    /// Where dataset index `index` falls in this rank's order of `epoch`:
+    /// its position among the rank's samples (`step · batch_size + row`), or
+    /// `None` when another rank reads it (or `drop_last` cut it). O(1): the
+    /// permutation is inverted, not searched. Wrap-around padding (a sample
+    /// read twice) reports the first read only.
+    pub fn local_position(&self, perm: Option<&Permutation>, index: u64) -> Option<u64> {
+        if index >= self.n {
+            return None;
+        }
+        let position = match perm {
+            Some(p) => p.invert(index),
+            None => index,
+        };
+        let local = position / self.world;
+        (position % self.world == self.rank && local < self.per_rank).then_some(local)
+    }
+
+    /// Samples per batch.
+    pub fn batch_size(&self) -> u64 {
+        self.batch_size
+    }
+
+    /// Number of samples in the dataset.
+    pub fn samples(&self) -> u64 {
+        self.n
+    }
+
     /// Dataset index of row `row` of batch `step`.
     pub fn index(&self, perm: Option<&Permutation>, step: u64, row: u64) -> u64 {
         let position = self.rank + (step * self.batch_size + row) * self.world;
@@ -135,6 +185,31 @@ mod tests {
                 let y = p.apply(x) as usize;
                 assert!(!seen[y], "n={n}: {y} hit twice");
                 seen[y] = true;
+            }
+        }
+    }
+
+    #[test]
+    fn invert_undoes_apply_and_local_position_finds_each_read() {
+        for n in [1u64, 2, 3, 17, 1000, 4097] {
+            let p = Permutation::new(n, 9, 2);
+            for x in 0..n {
+                assert_eq!(p.invert(p.apply(x)), x, "n={n}");
+            }
+        }
+        let (n, world) = (103u64, 4u64);
+        for rank in 0..world {
+            for shuffle in [false, true] {
+                let s = Sampler::new(n, rank, world, 8, shuffle, 7, true);
+                let perm = s.permutation(3);
+                for step in 0..s.batches_per_epoch() {
+                    for row in 0..s.rows(step) {
+                        let index = s.index(perm.as_ref(), step, row);
+                        assert_eq!(s.local_position(perm.as_ref(), index), Some(step * 8 + row));
+                    }
+                }
+                let mine = (0..n).filter(|&i| s.local_position(perm.as_ref(), i).is_some()).count() as u64;
+                assert_eq!(mine, s.per_rank());
             }
         }
     }
