@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use stoker_proto::{DatasetInfo, DatasetRef, DatasetStatus, ErrorKind, FieldTransforms, LmdbDataset, TransformDef};
 
-use crate::cache::ChunkCache;
+use crate::cache::{CacheCtx, Caches};
 use crate::codec::{Codec, Convert, RawLayout};
 use crate::config::{DatasetConfig, Hdf5DatasetConfig, Settings};
 use crate::fsaccess::{self, AccessError, CheckedLmdb, FileId, Peer, Rights, Want};
@@ -38,6 +38,10 @@ pub struct Opened {
     pub label: String,
     /// The source.
     pub source: Arc<dyn Source>,
+    /// Fingerprint of its description and file identities: streams of the
+    /// same fingerprint read the same samples under the same indices, so the
+    /// caches plan eviction over all of them.
+    pub fingerprint: u64,
 }
 
 /// One cached source: the identities of its files, and since when no stream uses it.
@@ -56,7 +60,7 @@ type Registry = Mutex<HashMap<String, Entry>>;
 pub struct Datasets {
     /// Replaced as a whole on SIGHUP; sources already open stay as they are.
     settings: RwLock<Arc<Settings>>,
-    chunk_cache: Arc<ChunkCache>,
+    caches: Arc<Caches>,
     open_files: Arc<OpenFiles>,
     /// Keyed by the resolved description.
     open: Arc<Registry>,
@@ -84,7 +88,7 @@ impl Files {
 
 impl Datasets {
     /// An empty registry for `settings`; closes idle datasets on a thread of its own.
-    pub fn new(settings: Settings, chunk_cache: Arc<ChunkCache>) -> Datasets {
+    pub fn new(settings: Settings, caches: Arc<Caches>) -> Datasets {
         let open_files = OpenFiles::new(max_open_files(settings.limits.max_open_files));
         let open: Arc<Registry> = Arc::default();
         let idle = Duration::from_secs_f64(settings.limits.idle_close_s.max(0.0));
@@ -94,7 +98,7 @@ impl Datasets {
         if let Err(e) = spawned {
             tracing::warn!(error = %e, "cannot start the idle-close thread: idle datasets stay open");
         }
-        Datasets { settings: RwLock::new(Arc::new(settings)), chunk_cache, open_files, open }
+        Datasets { settings: RwLock::new(Arc::new(settings)), caches, open_files, open }
     }
 
     /// Uses `settings` for datasets opened from now on (limits such as
@@ -139,18 +143,21 @@ impl Datasets {
         .map_err(refuse)?;
         let mut ids = files.ids();
         ids.extend(stats_ids);
+        let fingerprint = crate::cache::fingerprint(&(&key, &ids));
+        self.caches.futures.label(fingerprint, &label);
+        let cache = CacheCtx { caches: self.caches.clone(), dataset: fingerprint };
         // A poisoned source (its file found truncated or corrupt) is opened afresh.
         if let Some(entry) = self.lock().get_mut(&key)
             && entry.ids == ids
             && entry.opened.source.poisoned().is_none()
         {
             entry.used = Instant::now();
-            return Ok(Opened { label, source: entry.opened.source.clone() });
+            return Ok(Opened { label, source: entry.opened.source.clone(), fingerprint });
         }
         let source: Arc<dyn Source> = match (resolved, files) {
             (Resolved::Hdf5(spec, chains), Files::Hdf5(files)) => {
                 let source: Arc<dyn Source> = Arc::new(
-                    Hdf5Source::open(&spec, files, self.chunk_cache.clone(), self.open_files.clone())
+                    Hdf5Source::open(&spec, files, cache, self.open_files.clone())
                         .map_err(refuse)?,
                 );
                 if chains.is_empty() {
@@ -163,7 +170,7 @@ impl Datasets {
                 }
             }
             (Resolved::Lmdb(spec), Files::Lmdb(checked, _)) => {
-                Arc::new(LmdbSource::open_checked(&spec, &checked).map_err(refuse)?)
+                Arc::new(LmdbSource::open_checked(&spec, &checked).map_err(refuse)?.with_cache(cache))
             }
             // `open_files` answers in the format it was asked; a mismatch is a
             // bug, and costs this open, never the daemon.
@@ -175,7 +182,7 @@ impl Datasets {
             }
         };
         tracing::info!(dataset = %label, samples = source.len(), "opened dataset");
-        let opened = Opened { label, source };
+        let opened = Opened { label, source, fingerprint };
         let mut open = self.lock();
         // A changed file replaces the old entry: streams reading the old one
         // keep it until they close (and fail if they read the changed bytes).

@@ -142,6 +142,8 @@ pub struct StreamMeta {
     pub world_size: u64,
     /// The counters of the dataset it reads (metrics).
     pub counters: Arc<DatasetCounters>,
+    /// Where the stream is, for the caches' eviction plan (`None`: untracked).
+    pub cursor: Option<Arc<crate::cache::Cursor>>,
 }
 
 /// The shared memory of a stream, made by the server within its budgets.
@@ -695,6 +697,9 @@ impl Stream {
     /// discarded fill still holds the slot (its completion frees the slot
     /// and fills again).
     fn spawn_fill(self: &Arc<Self>, st: &mut State, id: usize, epoch: u64, step: u64) -> bool {
+        if let Some(cursor) = &self.meta.cursor {
+            cursor.set(epoch, step);
+        }
         let rows = self.sampler.rows(step);
         let (ring, index) = self.ring_of(st, id);
         let Some(writer) = ring.writer(index, 0..rows) else {
@@ -1032,6 +1037,7 @@ mod tests {
             rank: 0,
             world_size: 1,
             counters: Default::default(),
+            cursor: None,
         };
         let sampler = Sampler::new(samples, 0, 1, batch, false, 0, false);
         Stream::start(meta, source, sampler, shm, pool, epoch, step)
