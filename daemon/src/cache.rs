@@ -31,6 +31,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
 
 use crate::sampler::{Permutation, Sampler};
 
+pub mod snapshot;
+
 /// Resident entries sampled per eviction.
 pub const CANDIDATES: usize = 32;
 
@@ -144,10 +146,10 @@ impl Cursor {
     /// epoch and the next; [`NEVER`] beyond.
     fn distance(st: &CursorState, index: u64) -> u64 {
         let s = &st.sampler;
-        if let Some(q) = s.local_position(st.perms[0].as_ref(), index) {
-            if q >= st.position {
-                return q - st.position;
-            }
+        if let Some(q) = s.local_position(st.perms[0].as_ref(), index)
+            && q >= st.position
+        {
+            return q - st.position;
         }
         match s.local_position(st.perms[1].as_ref(), index) {
             Some(q) => s.per_rank().saturating_sub(st.position).saturating_add(q),
@@ -553,6 +555,11 @@ impl<V> Cache<V> {
             }
         }
         (entries, bytes)
+    }
+
+    /// Every entry (its key, value and uses), for [`Caches::export`].
+    pub fn snapshot(&self) -> Vec<(Key, Arc<V>, Uses)> {
+        self.lock().entries.iter().map(|e| (e.key, e.value.clone(), e.uses)).collect()
     }
 
     /// Per-dataset counters.

@@ -574,9 +574,10 @@ impl Config {
         if limits.max_memory_bytes == 0 {
             limits.max_memory_bytes = physical_memory().map_or(u64::MAX, |bytes| bytes / 2);
         }
-        let sample_bytes = self.cache.sample_bytes.unwrap_or_else(|| {
-            (1u64 << 30).min(limits.max_memory_bytes.saturating_sub(self.cache.chunk_bytes) / 4)
-        });
+        let sample_bytes = self
+            .cache
+            .sample_bytes
+            .unwrap_or_else(|| (1u64 << 30).min(limits.max_memory_bytes.saturating_sub(self.cache.chunk_bytes) / 4));
         if self.cache.chunk_bytes.saturating_add(sample_bytes) >= limits.max_memory_bytes {
             let key = if sample_bytes > self.cache.chunk_bytes { "sample_bytes" } else { "chunk_bytes" };
             problem(

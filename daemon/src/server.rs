@@ -128,6 +128,11 @@ impl Daemon {
         }))
     }
 
+    /// The node-wide caches.
+    pub fn caches(&self) -> &Arc<Caches> {
+        &self.caches
+    }
+
     /// The settings in force (replaced as a whole by [`Daemon::reload`]).
     pub fn settings(&self) -> Arc<Settings> {
         self.settings.read().unwrap_or_else(|e| e.into_inner()).clone()

@@ -18,9 +18,9 @@ pub use layout::{
     LayoutError, LayoutLimits, RING_HEADER_BYTES, RING_LAYOUT_VERSION, RING_MAGIC, Ragged, SLOT_ALIGN,
 };
 pub use message::{
-    BatchReady, CacheDatasetStatus, CacheReport, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, DatasetSkips, DatasetStatus, ErrorKind,
-    FieldTransforms, Hdf5Sampling, LmdbDataset, LmdbFieldDef, OpenStream, PairDef, Request, Response, StatusReport,
-    StreamInfo, StreamStatus, TransformDef, WorkerStatus,
+    BatchReady, CacheDatasetStatus, CacheReport, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, DatasetSkips,
+    DatasetStatus, ErrorKind, FieldTransforms, Hdf5Sampling, LmdbDataset, LmdbFieldDef, OpenStream, PairDef, Request,
+    Response, StatusReport, StreamInfo, StreamStatus, TransformDef, WorkerStatus,
 };
 pub use steps::{step_from_json, step_names};
 
