@@ -297,6 +297,9 @@ fn fuzzed_requests_never_take_the_daemon_down() {
             let _ = raw_exchange(&mut sock, &encode_frame(&Request::Next { stream: d }).unwrap());
             let _ = raw_exchange(&mut sock, &encode_frame(&Request::Fetch { stream: d, seq: a as u32 }).unwrap());
             let _ = raw_exchange(&mut sock, &encode_frame(&Request::Segment { stream: d, slot: b as u32 }).unwrap());
+            let _ = raw_exchange(&mut sock, &encode_frame(&Request::CacheList).unwrap());
+            let label = (a % 3 == 0).then(|| format!("{d:x}"));
+            let _ = raw_exchange(&mut sock, &encode_frame(&Request::CacheDrop { dataset: label }).unwrap());
             let exited = child.borrow_mut().try_wait().unwrap();
             prop_assert!(exited.is_none(), "the daemon died: {exited:?}");
             Ok(())
