@@ -40,6 +40,10 @@ pub const CANDIDATES: usize = 32;
 /// longer range is looked at this many evenly spaced points.
 const MAX_PROBES: u64 = 128;
 
+/// Datasets whose labels and counters are kept (each is a few dozen bytes;
+/// clients opening ever new datasets must not grow them without bound).
+const MAX_TRACKED: usize = 65_536;
+
 /// Next use of an entry no registered stream reads within its horizon.
 pub const NEVER: u64 = u64::MAX;
 
@@ -187,8 +191,16 @@ impl Futures {
 
     /// Names a dataset fingerprint (the config name, or the pattern), for `stoker cache ls`.
     pub fn label(&self, dataset: u64, label: &str) {
+        let live: std::collections::HashSet<u64> = {
+            let cursors = self.cursors.read().unwrap_or_else(PoisonError::into_inner);
+            cursors.iter().filter_map(Weak::upgrade).map(|c| c.dataset).collect()
+        };
         let mut labels = self.labels.write().unwrap_or_else(PoisonError::into_inner);
-        if labels.len() < 65_536 || labels.contains_key(&dataset) {
+        if labels.len() >= MAX_TRACKED && !labels.contains_key(&dataset) {
+            // Datasets opened over a long life: forget those no stream reads now.
+            labels.retain(|d, _| live.contains(d));
+        }
+        if labels.len() < MAX_TRACKED || labels.contains_key(&dataset) {
             labels.insert(dataset, label.to_owned());
         }
     }
@@ -418,6 +430,10 @@ impl<V> Cache<V> {
             }
             None => None,
         };
+        if inner.datasets.len() >= MAX_TRACKED && !inner.datasets.contains_key(&dataset) {
+            // Counters of datasets with nothing cached go first.
+            inner.datasets.retain(|_, c| c.entries > 0);
+        }
         let counters = inner.datasets.entry(dataset).or_default();
         if hit.is_some() {
             counters.hits += 1;
@@ -483,7 +499,6 @@ impl<V> Cache<V> {
                 return false;
             }
             self.remove_at(&mut inner, victim);
-            inner.datasets.entry(uses.dataset).or_default();
             self.evictions.fetch_add(1, Ordering::Relaxed);
         }
         inner.tick += 1;
