@@ -590,7 +590,9 @@ mod tests {
         assert!(Shuffle::Block { block_size: MAX_BLOCK_SIZE + 1, window: 1 }.check(10).is_err());
         assert!(Shuffle::Block { block_size: 1, window: MAX_BLOCK_WINDOW + 1 }.check(10).is_err());
         assert!(Shuffle::Block { block_size: 8, window: 2 }.check(MAX_BLOCK_SAMPLES + 1).is_err());
-        assert!(Shuffle::Block { block_size: MAX_BLOCK_SIZE, window: MAX_BLOCK_WINDOW }.check(MAX_BLOCK_SAMPLES).is_ok());
+        assert!(
+            Shuffle::Block { block_size: MAX_BLOCK_SIZE, window: MAX_BLOCK_WINDOW }.check(MAX_BLOCK_SAMPLES).is_ok()
+        );
         // The largest arguments on the largest dataset: no overflow.
         let b = BlockOrder::new(MAX_BLOCK_SAMPLES, MAX_BLOCK_SIZE, MAX_BLOCK_WINDOW, 1, 1);
         for k in [0, 1, MAX_BLOCK_SAMPLES / 2, MAX_BLOCK_SAMPLES - 1] {

@@ -828,15 +828,8 @@ impl Connection {
             }
         };
         shuffle.check(source.len()).map_err(|e| (ErrorKind::Protocol, format!("dataset {label}: {e}")))?;
-        let sampler = Sampler::new(
-            source.len(),
-            open.rank,
-            open.world_size,
-            open.batch_size,
-            shuffle,
-            open.seed,
-            open.drop_last,
-        );
+        let sampler =
+            Sampler::new(source.len(), open.rank, open.world_size, open.batch_size, shuffle, open.seed, open.drop_last);
         if open.step > sampler.batches_per_epoch() {
             return Err((
                 ErrorKind::Protocol,
