@@ -102,6 +102,7 @@ fn open(batch_size: u64, rank: u64, world_size: u64, shuffle: bool) -> OpenStrea
         world_size,
         epoch: 0,
         step: 0,
+        block: None,
     }
 }
 
@@ -273,6 +274,8 @@ fn fuzzed_requests_never_take_the_daemon_down() {
                         world_size: d,
                         epoch: e,
                         step: f,
+                        // Hostile block arguments, too: refused or served, never a panic.
+                        block: (kind == 0).then_some(stoker_client::proto::BlockShuffle { block_size: a, window: b }),
                     };
                     match raw_exchange(&mut sock, &encode_frame(&Request::OpenStream(open)).unwrap()) {
                         Some(Response::StreamOpened(info)) => Some(info.stream),

@@ -29,7 +29,7 @@ use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
 
-use crate::sampler::{Permutation, Sampler};
+use crate::sampler::{Order, Sampler};
 
 pub mod snapshot;
 
@@ -125,7 +125,7 @@ struct CursorState {
     /// The rank-local sample position being produced.
     position: u64,
     /// Permutations of `epoch` and `epoch + 1`, built once per epoch.
-    perms: [Option<Permutation>; 2],
+    perms: [Option<Order>; 2],
 }
 
 impl Cursor {

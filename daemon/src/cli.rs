@@ -269,6 +269,7 @@ fn cache(action: CacheAction) -> anyhow::Result<ExitCode> {
                 dataset: stoker_proto::DatasetRef::Named(dataset.clone()),
                 batch_size,
                 shuffle: false,
+                block: None,
                 seed: 0,
                 drop_last: false,
                 rank: 0,

@@ -28,7 +28,7 @@ use crate::cache::Caches;
 use crate::config::Settings;
 use crate::dataset::Datasets;
 use crate::ring::{ControlPage, Ring};
-use crate::sampler::Sampler;
+use crate::sampler::{Sampler, Shuffle};
 use crate::stream::{Budget, Fetched, Shm, Stream, StreamMeta};
 
 /// An error reply: kind plus a message for the user.
@@ -958,15 +958,16 @@ impl Connection {
                 )
             })??;
         let (label, source, fingerprint) = (opened.label, opened.source, opened.fingerprint);
-        let sampler = Sampler::new(
-            source.len(),
-            open.rank,
-            open.world_size,
-            open.batch_size,
-            open.shuffle,
-            open.seed,
-            open.drop_last,
-        );
+        let shuffle = match (open.shuffle, open.block) {
+            (shuffle, None) => Shuffle::from(shuffle),
+            (true, Some(b)) => Shuffle::Block { block_size: b.block_size, window: b.window },
+            (false, Some(_)) => {
+                return Err((ErrorKind::Protocol, "a block order needs shuffle; send block: None without it".into()));
+            }
+        };
+        shuffle.check(source.len()).map_err(|e| (ErrorKind::Protocol, format!("dataset {label}: {e}")))?;
+        let sampler =
+            Sampler::new(source.len(), open.rank, open.world_size, open.batch_size, shuffle, open.seed, open.drop_last);
         if open.step > sampler.batches_per_epoch() {
             return Err((
                 ErrorKind::Protocol,
@@ -1046,6 +1047,7 @@ impl Connection {
             dataset = %stream.meta().dataset,
             rank = open.rank,
             world = open.world_size,
+            order = ?shuffle,
             uid = self.uid,
             pid = self.pid,
             job = self.job.as_deref().unwrap_or("-"),
