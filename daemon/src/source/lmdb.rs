@@ -581,30 +581,42 @@ impl LmdbSource {
             }
             return Ok(());
         }
-        // A JPEG whose chain starts by shrinking it decodes DCT-scaled (not for
-        // paired fields: their geometry is checked against the full size).
-        let info = match leading_shrink(chain) {
-            Some(size) if plan.leader.is_none() && !plan.has_followers => {
-                plan.codec.decode_at_least(value, decoded, scratch, self.max_value_bytes, size)
+        let key = SampleKey { seed: sample.seed, epoch: sample.epoch, index: sample.index };
+        // A JPEG whose chain starts by shrinking it decodes DCT-scaled; one
+        // whose chain starts with a crop decodes only the crop's window, drawn
+        // as the chain draws it (not for paired fields: their geometry is
+        // checked against the full size).
+        let solo = plan.leader.is_none() && !plan.has_followers;
+        let mut window = None; // the decoded window's shape, where only that was decoded
+        let info = match (leading_shrink(chain), chain.after_leading_crop()) {
+            (Some(size), _) if solo => plan.codec.decode_at_least(value, decoded, scratch, self.max_value_bytes, size),
+            (None, Some(_)) if solo => {
+                let crop = |h, w| chain.leading_crop(h, w, key).map(|c| (c.top, c.left, c.height, c.width));
+                plan.codec.decode_cropped(value, decoded, scratch, self.max_value_bytes, crop).map(|(info, shape)| {
+                    window = shape;
+                    info
+                })
             }
             _ => plan.codec.decode(value, decoded, scratch, self.max_value_bytes),
         }
         .map_err(codec_err)?;
+        let (run, input_shape) = match (&window, chain.after_leading_crop()) {
+            (Some(shape), Some(rest)) => (rest, shape.as_slice()),
+            _ => (chain, info.shape.as_slice()),
+        };
         let leader_shape = plan.leader.and_then(|l| shapes[l].as_deref());
         let known: Vec<Option<u64>> = info.shape.iter().map(|&d| Some(d)).collect();
         let (out_dtype, out_shape) = chain.output(info.dtype, &known).map_err(|e| err(e.to_string()))?;
         let out_shape: Vec<u64> = out_shape.into_iter().map(|d| d.expect("known input, known output")).collect();
-        let key = SampleKey { seed: sample.seed, epoch: sample.epoch, index: sample.index };
         let apply = |dst: &mut [u8], transform: &mut transform::Scratch| {
-            chain
-                .apply(
-                    ArrayRef { bytes: decoded.as_slice(), dtype: info.dtype, shape: &info.shape },
-                    key,
-                    leader_shape,
-                    transform,
-                    dst,
-                )
-                .map_err(|e| err(e.to_string()))
+            run.apply(
+                ArrayRef { bytes: decoded.as_slice(), dtype: info.dtype, shape: input_shape },
+                key,
+                leader_shape,
+                transform,
+                dst,
+            )
+            .map_err(|e| err(e.to_string()))
         };
         match out {
             LmdbOut::Fixed(dst) => {
