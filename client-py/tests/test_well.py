@@ -416,3 +416,47 @@ time_only = ["t_in", "t_out", "tvs"]
         stoker.Loader(bad, batch_size=2, socket=daemon.socket)
     with pytest.raises(ValueError, match="window"):
         stoker.hdf5(str(tmp_path / "well" / "*.hdf5"), fields={"tag": "tag", "x": "dimensions/x"}, time_only=["x"])
+
+
+def test_inspect_suggests_the_split_constants_and_time_only_fields(start_daemon, stoker, tmp_path: Path) -> None:
+    """`stoker inspect` on a file in The Well's layout suggests a split window
+    (each time-varying field as `_in`/`_out`), its per-trajectory, constant
+    and time-only fields; the table as printed serves WellDataset's samples."""
+    import subprocess
+    import tomllib
+
+    from conftest import SUBPROCESS_TIMEOUT_S, stoker_bin
+
+    files = write_well(tmp_path / "well", [(2, 9)], seed=7)
+    res = subprocess.run([str(stoker_bin()), "inspect", str(files[0])], capture_output=True, text=True,
+                         timeout=SUBPROCESS_TIMEOUT_S)
+    assert res.returncode == 0, res.stderr
+    head, sep, tail = res.stdout.partition("\nsuggested config")
+    assert sep and "WellDataset(n_steps_input=4, n_steps_output=1)" in tail, res.stdout
+    table = tail.split("\n", 1)[1]
+    (name, ds), = tomllib.loads(table)["datasets"].items()
+    assert ds["window"] == {"n_steps_input": 4, "n_steps_output": 1}, table
+    assert sorted(ds["input"]) == ["tracer_in", "velocity_in"], table
+    assert sorted(ds["output"]) == ["tracer_out", "velocity_out"], table
+    assert ds["per_item"] == ["constant_field"], table
+    assert sorted(ds["constant"]) == ["Reynolds", "a", "b", "mask"], table
+    assert sorted(ds["time_only"]) == ["time", "time_varying_scalar"], table
+    daemon = start_daemon(allowed_roots=[tmp_path], extra="\n" + table)
+    loader = stoker.Loader(name, batch_size=3, shuffle=False, socket=daemon.socket)
+    rows = [{k: np.array(v[j]) for k, v in b.items()} for b in loader for j in range(len(b["velocity_in"]))]
+    per = well_windows(9, 4, 1, 1)
+    assert len(rows) == 2 * per
+    with h5py.File(files[0]) as f:
+        for i, r in enumerate(rows):
+            traj, t0 = divmod(i, per)
+            steps = slice(t0, t0 + 5)
+            vel = f["t1_fields/velocity"][traj, steps]
+            check_field("velocity_in", r["velocity_in"], vel[:4])
+            check_field("velocity_out", r["velocity_out"], vel[4:])
+            check_field("tracer_out", r["tracer_out"], f["t0_fields/tracer"][traj, steps][4:])
+            check_field("constant_field", r["constant_field"], f["t0_fields/constant_field"][traj])
+            check_field("mask", r["mask"], f["t0_fields/mask"][()])
+            check_field("Reynolds", r["Reynolds"], np.asarray(f["scalars/Reynolds"][()]))
+            check_field("time", r["time"], f["dimensions/time"][steps])
+            check_field("time_varying_scalar", r["time_varying_scalar"], f["scalars/time_varying_scalar"][steps])
+    loader.close()
