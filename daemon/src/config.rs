@@ -219,6 +219,8 @@ impl Default for CacheConfig {
 /// `[datasets.NAME]` table, by `format`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(tag = "format", rename_all = "lowercase")]
+// One per dataset, parsed once at start: the size difference does not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum DatasetConfig {
     /// `format = "hdf5"`.
     Hdf5(Hdf5DatasetConfig),

@@ -495,7 +495,7 @@ impl Codec {
             let fits = top.checked_add(height).is_some_and(|b| b <= full.shape[0])
                 && left.checked_add(width).is_some_and(|r| r <= full.shape[1]);
             // The image is at most 2^20 a side (`probe_jpeg`), so these fit u32.
-            fits.then(|| image::Region {
+            fits.then_some(image::Region {
                 top: top as u32,
                 left: left as u32,
                 height: height as u32,
