@@ -117,7 +117,10 @@ def ensure_env(path: Path, n: int) -> int:
 # --------------------------------------------------------------------------
 
 
-def run_stoker(binary: str, env: Path, threads: int, n: int, passes: int) -> list[float]:
+def run_stoker(binary: str, env: Path, threads: int, n: int, passes: int, whole: bool = False) -> list[float]:
+    """`whole`: decode the whole image, as before cropped decoding (a leading
+    no-op `center_crop` of the full size makes the decoder's window the whole
+    image; the random crop that follows then draws what it draws first)."""
     import stoker
 
     spec = stoker.lmdb(
@@ -125,6 +128,7 @@ def run_stoker(binary: str, env: Path, threads: int, n: int, passes: int) -> lis
         fields={"image": "jpeg"},
         transforms={
             "image": [
+                *([{"center_crop": SIDE}] if whole else []),
                 {"random_crop": CROP},
                 "hflip",
                 {"to_f32": 1 / 255},
@@ -275,6 +279,8 @@ def main() -> int:
     settings = {
         "stoker, 1 worker thread": lambda: run_stoker(binary, env, 1, a.n, a.passes),
         "stoker, 2 worker threads": lambda: run_stoker(binary, env, 2, a.n, a.passes),
+        "stoker, 1 worker thread, whole-image decode": lambda: run_stoker(binary, env, 1, a.n, a.passes, True),
+        "stoker, 2 worker threads, whole-image decode": lambda: run_stoker(binary, env, 2, a.n, a.passes, True),
         "Pillow + numpy, 2-process pool (batches pickled back)": lambda: run_pool(env, a.n, a.passes, 2, True),
         "Pillow + numpy, 2-process pool (nothing sent back)": lambda: run_pool(env, a.n, a.passes, 2, False),
         "DataLoader + Pillow, 1 worker (persistent)": lambda: run_dataloader(env, a.n, a.passes, 1),

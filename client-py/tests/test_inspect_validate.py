@@ -153,10 +153,18 @@ def test_the_well_suggestion_windows_with_per_item_constants(stoker: Any, start_
 
     table, (name, ds) = suggestion(files[0])
     assert ds["files"] == f"{root.resolve()}/*.hdf5", "the files' real extension"
-    assert ds["fields"] == {"density": "t0_fields/density", "mask": "t0_fields/mask", "velocity": "t1_fields/velocity"}
-    size = ds["window"]["size"]
-    assert ds["window"]["stride"] == 1 and 1 <= size <= time
+    # The Well's split: each time-varying field as input and output, WellDataset-style.
+    assert ds["fields"] == {
+        "density_in": "t0_fields/density", "density_out": "t0_fields/density", "mask": "t0_fields/mask",
+        "velocity_in": "t1_fields/velocity", "velocity_out": "t1_fields/velocity",
+        "time": "dimensions/time", "Reynolds": "scalars/Reynolds",
+    }, table
+    n_in, n_out = ds["window"]["n_steps_input"], ds["window"]["n_steps_output"]
+    assert (n_in, n_out) == (4, 1), table
+    size = n_in + n_out
+    assert ds["input"] == ["density_in", "velocity_in"] and ds["output"] == ["density_out", "velocity_out"]
     assert ds["per_item"] == ["mask"]
+    assert ds["constant"] == ["Reynolds"] and ds["time_only"] == ["time"], table
 
     daemon = validated_daemon(start_daemon, tmp_path, table)
     rows = served_rows(stoker, daemon, name, batch_size=4)
@@ -165,11 +173,17 @@ def test_the_well_suggestion_windows_with_per_item_constants(stoker: Any, start_
         with h5py.File(path) as f:
             for item in range(traj):
                 for t0 in range(time - size + 1):
+                    density = f["t0_fields/density"][item, t0 : t0 + size]
+                    velocity = f["t1_fields/velocity"][item, t0 : t0 + size]
                     expected.append(
                         {
-                            "density": f["t0_fields/density"][item, t0 : t0 + size],
-                            "velocity": f["t1_fields/velocity"][item, t0 : t0 + size],
+                            "density_in": density[:n_in],
+                            "density_out": density[n_in:],
+                            "velocity_in": velocity[:n_in],
+                            "velocity_out": velocity[n_in:],
                             "mask": f["t0_fields/mask"][item],
+                            "time": f["dimensions/time"][t0 : t0 + size],
+                            "Reynolds": np.asarray(f["scalars/Reynolds"][()]),
                         }
                     )
     assert len(rows) == len(expected)

@@ -1251,3 +1251,67 @@ def test_jpeg_shrink_decodes_dct_scaled_like_pillow_draft(
                     assert diff.mean() < 2.0 and diff.max() <= 40, (f, i, diff.mean(), diff.max())
                 seen += 1
     assert seen == n * len(sizes)
+
+
+def test_jpeg_leading_crop_decodes_only_the_window_like_pillow_and_numpy(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A JPEG field whose chain starts with a crop decodes only the crop's
+    window (libjpeg-turbo's jpeg_crop_scanline / jpeg_skip_scanlines). The
+    served pixels equal Pillow's full decode cropped with numpy (4:4:4,
+    4:2:2, 4:2:0 and progressive files), at offsets drawn as the transform
+    draws them; the steps after the crop draw what they would after a crop of
+    the full decode: a second loader with the same seed, field name and crop
+    but more steps serves the same windows, flipped or not, normalized."""
+    n = 16
+    variants: list[dict[str, Any]] = [{"quality": 90, "subsampling": s} for s in (0, 1, 2)]
+    variants.append({"quality": 85, "progressive": True})
+    imgs = [noise(72 + 8 * (i % 3), 96 + 4 * (i % 4), 3, seed=i) for i in range(n)]
+    jpegs = [jpeg_bytes(image_of(a), **variants[i % len(variants)]) for i, a in enumerate(imgs)]
+    full = [pil_jpeg(j) for j in jpegs]
+    env = write_env(tmp_path / "img", {key(i): v for i, v in enumerate(jpegs)})
+    envs = {"im": env, "cc": env, "idx": idx_env(tmp_path / "idx", n)}
+    d = start_daemon()
+
+    def serve(transforms: dict[str, list[Any]]) -> list[dict[str, Any]]:
+        spec = stoker.lmdb(envs, fields={"im": "jpeg", "cc": "jpeg", "idx": "npy"}, transforms=transforms)
+        return rows(run_epoch(stoker.Loader(spec, batch_size=4, seed=5, socket=d.socket), 3))
+
+    crop = {"random_crop": (24, 40)}
+    plain = serve({"im": [crop], "cc": [{"center_crop": 40}]})
+    windows: dict[int, np.ndarray] = {}
+    offsets = Counter()
+    for r in plain:
+        i = int(r["idx"])
+        found = find_crops(full[i], r["im"])
+        assert len(found) == 1, f"sample {i}: the 24×40 crop is {len(found)} windows of Pillow's decode, not one"
+        offsets[found[0]] += 1
+        windows[i] = r["im"]
+        h, w = full[i].shape[:2]
+        t, l = (h - 40) // 2, (w - 40) // 2
+        assert_exact(f"cc[{i}]", r["cc"], full[i][t : t + 40, l : l + 40])
+    assert sorted(windows) == list(range(n))
+    assert len(offsets) >= n // 2, f"random crop offsets barely vary: {offsets}"
+
+    aug = serve({"im": [crop, "hflip", {"to_f32": 1 / 255}, {"normalize": {"mean": MEAN, "std": STD}}, "chw"],
+                 "cc": [{"center_crop": 40}, "vflip"]})
+    mean, std = np.float32(MEAN).astype(np.float64), np.float32(STD).astype(np.float64)
+    flips, vflips = Counter(), Counter()
+    for r in aug:
+        i = int(r["idx"])
+        assert r["im"].dtype == np.float32 and r["im"].shape == (3, 24, 40)
+        outcomes = []
+        for mirrored in (False, True):
+            src = windows[i][:, ::-1] if mirrored else windows[i]
+            want = ((src.astype(np.float64) * np.float64(np.float32(1 / 255)) - mean) / std).transpose(2, 0, 1)
+            outcomes.append(np.allclose(r["im"], want, rtol=1e-6, atol=1e-6))
+        assert any(outcomes), f"sample {i}: neither the window nor its mirror, normalized"
+        flips[outcomes[1]] += 1
+        h, w = full[i].shape[:2]
+        t, l = (h - 40) // 2, (w - 40) // 2
+        cc = full[i][t : t + 40, l : l + 40]
+        up, down = np.array_equal(r["cc"], cc), np.array_equal(r["cc"], cc[::-1])
+        assert up or down, f"sample {i}: vflip after center_crop served neither the crop nor its mirror"
+        vflips[down] += 1
+    assert flips[True] >= 2 and flips[False] >= 2, f"hflips: {flips}"
+    assert vflips[True] >= 2 and vflips[False] >= 2, f"vflips: {vflips}"

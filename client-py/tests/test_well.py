@@ -347,3 +347,116 @@ def test_split_windows_normalized_and_channels_first_equal_numpy(start_daemon, s
         np.testing.assert_allclose(x, w[:3], rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(y, w[3:], rtol=1e-6, atol=1e-6)
     loader.close()
+
+
+def test_time_only_fields_deliver_the_window_steps_like_h5py(start_daemon, stoker, tmp_path: Path) -> None:
+    """Fields that vary in time but not by trajectory (The Well's
+    `sample_varying = False`, `time_varying = True`: `dimensions/time`, the
+    time-varying scalars, shaped `[T]`), listed in `time_only`, give every
+    sample its window's steps at its dt (split into input and output when
+    also listed there), equal to h5py slicing; from Python and from a
+    `[datasets.NAME]` table."""
+    shapes = [(3, 14), (2, 11)]
+    files = write_well(tmp_path / "well", shapes, seed=6)
+    n_in, n_out, lo, hi = 2, 2, 1, 3
+    fields = {
+        "tag": "tag",
+        "t_in": "dimensions/time",
+        "t_out": "dimensions/time",
+        "tvs": "scalars/time_varying_scalar",
+        "p_in": "t0_fields/tracer",
+    }
+    window = {"n_steps_input": n_in, "n_steps_output": n_out, "min_dt_stride": lo, "max_dt_stride": hi}
+    spec = stoker.hdf5(
+        str(tmp_path / "well" / "*.hdf5"), fields=fields, window=window,
+        input=["t_in", "p_in"], output=["t_out"], time_only=["t_in", "t_out", "tvs"],
+    )
+    toml = f"""
+[datasets.well]
+format = "hdf5"
+files = "{tmp_path / 'well' / '*.hdf5'}"
+window = {{ n_steps_input = {n_in}, n_steps_output = {n_out}, min_dt_stride = {lo}, max_dt_stride = {hi} }}
+input = ["t_in", "p_in"]
+output = ["t_out"]
+time_only = ["t_in", "t_out", "tvs"]
+[datasets.well.fields]
+""" + "".join(f'{k} = "{v}"\n' for k, v in fields.items())
+    daemon = start_daemon(allowed_roots=[tmp_path], extra=toml)
+    n = sum(k * well_windows(t, n_in, n_out, lo) for k, t in shapes)
+    for source in (spec, "well"):
+        loader = stoker.Loader(source, batch_size=4, shuffle=True, seed=2, socket=daemon.socket)
+        assert loader.fields["t_in"] == (np.dtype(np.float32), (n_in,))
+        assert loader.fields["tvs"] == (np.dtype(np.float64), (n_in + n_out,))
+        seen, dts = set(), Counter()
+        for b in loader:
+            for r in range(len(b["tag"])):
+                tag = b["tag"][r]
+                k, rest = divmod(int(tag[0]), 10**6)
+                traj, t0 = divmod(rest, 10**3)
+                dt = int(tag[1] - tag[0])
+                seen.add((k, traj, t0))
+                dts[dt] += 1
+                with h5py.File(files[k]) as f:
+                    steps = slice(t0, t0 + (n_in + n_out - 1) * dt + 1, dt)
+                    check_field("tag", tag, f["tag"][traj, steps])
+                    check_field("p_in", b["p_in"][r], f["t0_fields/tracer"][traj, steps][:n_in])
+                    time = f["dimensions/time"][steps]
+                    check_field("t_in", b["t_in"][r], time[:n_in])
+                    check_field("t_out", b["t_out"][r], time[n_in:])
+                    check_field("tvs", b["tvs"][r], f["scalars/time_varying_scalar"][steps])
+        assert len(seen) == n, "every window once"
+        assert len(dts) > 1, f"dt draws do not vary: {dts}"
+        loader.close()
+    # A time_only field whose length is not the time axis is refused at open, by name.
+    bad = stoker.hdf5(
+        str(tmp_path / "well" / "*.hdf5"), fields={"tag": "tag", "x": "dimensions/x"},
+        window={"size": 2}, time_only=["x"],
+    )
+    with pytest.raises(stoker.DatasetError, match="dimensions/x"):
+        stoker.Loader(bad, batch_size=2, socket=daemon.socket)
+    with pytest.raises(ValueError, match="window"):
+        stoker.hdf5(str(tmp_path / "well" / "*.hdf5"), fields={"tag": "tag", "x": "dimensions/x"}, time_only=["x"])
+
+
+def test_inspect_suggests_the_split_constants_and_time_only_fields(start_daemon, stoker, tmp_path: Path) -> None:
+    """`stoker inspect` on a file in The Well's layout suggests a split window
+    (each time-varying field as `_in`/`_out`), its per-trajectory, constant
+    and time-only fields; the table as printed serves WellDataset's samples."""
+    import subprocess
+    import tomllib
+
+    from conftest import SUBPROCESS_TIMEOUT_S, stoker_bin
+
+    files = write_well(tmp_path / "well", [(2, 9)], seed=7)
+    res = subprocess.run([str(stoker_bin()), "inspect", str(files[0])], capture_output=True, text=True,
+                         timeout=SUBPROCESS_TIMEOUT_S)
+    assert res.returncode == 0, res.stderr
+    head, sep, tail = res.stdout.partition("\nsuggested config")
+    assert sep and "WellDataset(n_steps_input=4, n_steps_output=1)" in tail, res.stdout
+    table = tail.split("\n", 1)[1]
+    (name, ds), = tomllib.loads(table)["datasets"].items()
+    assert ds["window"] == {"n_steps_input": 4, "n_steps_output": 1}, table
+    assert sorted(ds["input"]) == ["tracer_in", "velocity_in"], table
+    assert sorted(ds["output"]) == ["tracer_out", "velocity_out"], table
+    assert ds["per_item"] == ["constant_field"], table
+    assert sorted(ds["constant"]) == ["Reynolds", "a", "b", "mask"], table
+    assert sorted(ds["time_only"]) == ["time", "time_varying_scalar"], table
+    daemon = start_daemon(allowed_roots=[tmp_path], extra="\n" + table)
+    loader = stoker.Loader(name, batch_size=3, shuffle=False, socket=daemon.socket)
+    rows = [{k: np.array(v[j]) for k, v in b.items()} for b in loader for j in range(len(b["velocity_in"]))]
+    per = well_windows(9, 4, 1, 1)
+    assert len(rows) == 2 * per
+    with h5py.File(files[0]) as f:
+        for i, r in enumerate(rows):
+            traj, t0 = divmod(i, per)
+            steps = slice(t0, t0 + 5)
+            vel = f["t1_fields/velocity"][traj, steps]
+            check_field("velocity_in", r["velocity_in"], vel[:4])
+            check_field("velocity_out", r["velocity_out"], vel[4:])
+            check_field("tracer_out", r["tracer_out"], f["t0_fields/tracer"][traj, steps][4:])
+            check_field("constant_field", r["constant_field"], f["t0_fields/constant_field"][traj])
+            check_field("mask", r["mask"], f["t0_fields/mask"][()])
+            check_field("Reynolds", r["Reynolds"], np.asarray(f["scalars/Reynolds"][()]))
+            check_field("time", r["time"], f["dimensions/time"][steps])
+            check_field("time_varying_scalar", r["time_varying_scalar"], f["scalars/time_varying_scalar"][steps])
+    loader.close()

@@ -227,6 +227,8 @@ impl Default for CacheConfig {
 /// `[datasets.NAME]` table, by `format`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(tag = "format", rename_all = "lowercase")]
+// One per dataset, parsed once at start: the size difference does not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum DatasetConfig {
     /// `format = "hdf5"`.
     Hdf5(Hdf5DatasetConfig),
@@ -257,6 +259,10 @@ pub struct Hdf5DatasetConfig {
     /// constants), delivered whole with every sample of their file.
     #[serde(default)]
     pub constant: Vec<String>,
+    /// Windowed fields without the item axis, `[time, ...]` (The Well's
+    /// `dimensions/time`): each sample gets its window's steps of them.
+    #[serde(default)]
+    pub time_only: Vec<String>,
     /// Field name → transform steps run in the daemon (the steps of an LMDB field's `transforms`).
     #[serde(default)]
     pub transforms: BTreeMap<String, Vec<stoker_proto::TransformDef>>,
@@ -304,6 +310,7 @@ impl Hdf5DatasetConfig {
                 input: self.input.clone(),
                 output: self.output.clone(),
                 constant: self.constant.clone(),
+                time_only: self.time_only.clone(),
             },
         }
     }
@@ -534,7 +541,9 @@ impl Config {
             if let Some(message) = ds.window.and_then(|w| w.problem()) {
                 problem(&["datasets", name, "window"], format!("[datasets.{name}] window {message}"));
             }
-            for (key, names) in [("input", &ds.input), ("output", &ds.output), ("constant", &ds.constant)] {
+            for (key, names) in
+                [("input", &ds.input), ("output", &ds.output), ("constant", &ds.constant), ("time_only", &ds.time_only)]
+            {
                 if let Some(unknown) = names.iter().find(|f| !ds.fields.contains_key(*f)) {
                     problem(
                         &["datasets", name, key],

@@ -456,6 +456,10 @@ pub fn format_report(file: &Path, reports: &[DatasetReport]) -> String {
         None => Vec::new(),
     };
     let windowed = time.filter(|_| per_item.len() < group.len());
+    if well && let Some(t) = windowed {
+        well_suggestion(&mut out, reports, group, len, t, &stem, &files);
+        return out;
+    }
     let _ = writeln!(out, "\nsuggested config ({} datasets with {len} items along axis 0):\n", group.len());
     let _ = writeln!(out, "[datasets.{stem}]");
     let _ = writeln!(out, "format = \"hdf5\"");
@@ -478,6 +482,96 @@ pub fn format_report(file: &Path, reports: &[DatasetReport]) -> String {
         );
     }
     out
+}
+
+/// The suggested table for a file in The Well's layout, as `WellDataset`
+/// reads it: each time-varying field named twice, its first steps in
+/// `input` and the rest in `output` (`n_steps_input` up to 4, one output
+/// step); trajectory-wide fields without the time axis in `per_item`; fields
+/// without the trajectory axis (`sample_varying = False`: the `t*_fields`
+/// datasets not `items` long, the numeric `scalars`) in `constant`, or in
+/// `time_only` when they are `time` steps long (`dimensions/time`, the
+/// time-varying scalars).
+fn well_suggestion(
+    out: &mut String,
+    reports: &[DatasetReport],
+    group: &[&DatasetReport],
+    items: u64,
+    time: u64,
+    stem: &str,
+    files: &str,
+) {
+    let n_in = time.saturating_sub(1).clamp(1, 4);
+    let mut names: Vec<String> = Vec::new();
+    let mut unique = |path: &str| {
+        let base = bare_key(path.rsplit('/').next().unwrap_or(path), "x");
+        let mut name = base.clone();
+        let mut n = 2;
+        while names.iter().any(|m| *m == name || *m == format!("{name}_in") || *m == format!("{name}_out")) {
+            name = format!("{base}_{n}");
+            n += 1;
+        }
+        names.push(name.clone());
+        name
+    };
+    let (mut fields, mut input, mut output, mut per_item, mut constant, mut time_only) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for r in group {
+        let name = unique(&r.path);
+        if r.shape.len() >= 2 && r.shape[1] == time {
+            for (suffix, list) in [("_in", &mut input), ("_out", &mut output)] {
+                fields.push(format!("{name}{suffix} = {}", quote(&r.path)));
+                list.push(quote(&format!("{name}{suffix}")));
+            }
+        } else {
+            fields.push(format!("{name} = {}", quote(&r.path)));
+            per_item.push(quote(&name));
+        }
+    }
+    let in_group = |r: &DatasetReport| group.iter().any(|g| g.path == r.path);
+    let numeric = |r: &DatasetReport| r.servable || r.read_path.starts_with("scalar");
+    for r in reports.iter().filter(|r| numeric(r) && !in_group(r)) {
+        let field = ["t0_fields/", "t1_fields/", "t2_fields/"].iter().any(|g| r.path.starts_with(g));
+        let scalar = r.path.starts_with("scalars/");
+        let is_time = r.shape.len() == 1 && r.shape[0] == time && r.path.rsplit('/').next() == Some("time");
+        if (scalar || is_time) && r.shape.first() == Some(&time) {
+            let name = unique(&r.path);
+            fields.push(format!("{name} = {}", quote(&r.path)));
+            time_only.push(quote(&name));
+        } else if field || (scalar && r.shape.is_empty()) {
+            let name = unique(&r.path);
+            fields.push(format!("{name} = {}", quote(&r.path)));
+            constant.push(quote(&name));
+        }
+    }
+    let _ = writeln!(
+        out,
+        "\nsuggested config (The Well's layout: {items} trajectories of {time} steps; WellDataset(n_steps_input={n_in}, \
+         n_steps_output=1)):\n"
+    );
+    let _ = writeln!(out, "[datasets.{stem}]");
+    let _ = writeln!(out, "format = \"hdf5\"");
+    let _ = writeln!(out, "files = {}", quote(files));
+    let _ = writeln!(out, "fields = {{ {} }}", fields.join(", "));
+    let _ = writeln!(
+        out,
+        "# windows of n_steps_input + n_steps_output steps; add dt_stride = k, or min_dt_stride/max_dt_stride"
+    );
+    let _ = writeln!(out, "window = {{ n_steps_input = {n_in}, n_steps_output = 1 }}");
+    let _ = writeln!(out, "input = [{}]", input.join(", "));
+    let _ = writeln!(out, "output = [{}]", output.join(", "));
+    if !per_item.is_empty() {
+        let _ = writeln!(out, "# per trajectory, no time axis (sample_varying = True, time_varying = False)");
+        let _ = writeln!(out, "per_item = [{}]", per_item.join(", "));
+    }
+    if !constant.is_empty() {
+        let _ = writeln!(out, "# no trajectory axis (sample_varying = False): the whole dataset with every sample");
+        let _ = writeln!(out, "constant = [{}]", constant.join(", "));
+    }
+    if !time_only.is_empty() {
+        let _ = writeln!(out, "# time steps without a trajectory axis: each window's steps of them");
+        let _ = writeln!(out, "time_only = [{}]", time_only.join(", "));
+    }
 }
 
 #[cfg(test)]
@@ -554,9 +648,54 @@ mod tests {
         let parsed: toml::Table = toml::from_str(table).unwrap();
         let ds = &parsed["datasets"]["a"];
         assert_eq!(ds["files"].as_str(), Some("/data/well/train/*.hdf5"));
-        assert_eq!(ds["fields"].as_table().unwrap().len(), 3, "{table}");
+        // density and velocity twice (input and output), mask, and dimensions/time.
+        assert_eq!(ds["fields"].as_table().unwrap().len(), 6, "{table}");
         assert_eq!(ds["per_item"].as_array().unwrap(), &[toml::Value::from("mask")]);
-        assert_eq!(ds["window"]["size"].as_integer(), Some(4));
+        assert_eq!(ds["window"]["n_steps_input"].as_integer(), Some(4));
+    }
+
+    #[test]
+    fn the_well_suggests_the_split_constants_and_time_only_fields() {
+        let mut scalar = dataset("scalars/Reynolds", &[]);
+        (scalar.servable, scalar.read_path) = (false, "scalar: no axis to index samples by".into());
+        let reports = [
+            dataset("boundary_conditions/x/mask", &[16]),
+            dataset("dimensions/time", &[20]),
+            dataset("dimensions/x", &[16]),
+            scalar,
+            dataset("scalars/time_varying_scalar", &[20]),
+            dataset("t0_fields/constant_field", &[4, 16, 16]),
+            dataset("t0_fields/density", &[4, 20, 16, 16]),
+            dataset("t0_fields/mask", &[16, 16]),
+            dataset("t1_fields/velocity", &[4, 20, 16, 16, 2]),
+        ];
+        let out = format_report(Path::new("/data/well/train/a.hdf5"), &reports);
+        let table = out.split_once("suggested config").unwrap().1.split_once('\n').unwrap().1;
+        assert!(out.contains("WellDataset(n_steps_input=4, n_steps_output=1)"), "{out}");
+        let parsed: toml::Table = toml::from_str(table).unwrap();
+        let ds = &parsed["datasets"]["a"];
+        let list = |key: &str| -> Vec<&str> {
+            ds.get(key).map_or(vec![], |v| v.as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect())
+        };
+        assert_eq!(ds["window"]["n_steps_input"].as_integer(), Some(4), "{table}");
+        assert_eq!(ds["window"]["n_steps_output"].as_integer(), Some(1), "{table}");
+        assert_eq!(list("input"), ["density_in", "velocity_in"], "{table}");
+        assert_eq!(list("output"), ["density_out", "velocity_out"], "{table}");
+        assert_eq!(list("per_item"), ["constant_field"], "{table}");
+        assert_eq!(list("constant"), ["Reynolds", "mask"], "{table}");
+        assert_eq!(list("time_only"), ["time", "time_varying_scalar"], "{table}");
+        let fields = ds["fields"].as_table().unwrap();
+        assert_eq!(fields["velocity_out"].as_str(), Some("t1_fields/velocity"));
+        assert_eq!(fields["time"].as_str(), Some("dimensions/time"));
+        assert!(
+            !fields.contains_key("x") && !fields.contains_key("mask_2"),
+            "coordinates and BC masks left out: {table}"
+        );
+        // The suggestion is a valid dataset table.
+        let mut ds = ds.as_table().unwrap().clone();
+        assert_eq!(ds.remove("format").and_then(|f| f.as_str().map(String::from)).as_deref(), Some("hdf5"));
+        let config: crate::config::Hdf5DatasetConfig = ds.try_into().unwrap_or_else(|e| panic!("{e}: {table}"));
+        assert_eq!(config.time_only.len(), 2);
     }
 
     #[test]

@@ -179,6 +179,11 @@ pub struct Hdf5Sampling {
     /// Fields without the item axis (The Well's `sample_varying = False`
     /// constants): each sample gets the whole dataset of its file.
     pub constant: Vec<String>,
+    /// Windowed fields without the item axis, shaped `[time, ...]` (The
+    /// Well's `sample_varying = False`, `time_varying = True`, such as
+    /// `dimensions/time`): each sample gets its window's steps of them (or
+    /// its `input`/`output` part), at the same spacing as the other fields.
+    pub time_only: Vec<String>,
 }
 
 impl Default for Hdf5Sampling {
@@ -190,6 +195,7 @@ impl Default for Hdf5Sampling {
             input: Vec::new(),
             output: Vec::new(),
             constant: Vec::new(),
+            time_only: Vec::new(),
         }
     }
 }

@@ -118,6 +118,7 @@ def hdf5(
     input: Sequence[str] = (),
     output: Sequence[str] = (),
     constant: Sequence[str] = (),
+    time_only: Sequence[str] = (),
 ) -> Hdf5Spec:
     """Describe an HDF5 dataset for :class:`Loader`.
 
@@ -140,6 +141,9 @@ def hdf5(
     windows per item counted at ``min_dt_stride`` as ``WellDataset`` counts
     them. ``constant`` fields have no item axis (``t0_fields/x`` shaped
     ``[x, y]``, a scalar): every sample gets the whole dataset of its file.
+    ``time_only`` fields have a time axis but no item axis (``dimensions/time``
+    shaped ``[T]``): every sample gets its window's steps of them (its input
+    or output part when also listed in ``input`` or ``output``).
 
     ``transforms`` maps fields to steps run in the daemon (the list in
     docs/python.md: ``cast``, ``normalize``, ``permute``, ``chw``, crops,
@@ -159,12 +163,20 @@ def hdf5(
         win, n_in, (dt_min, dt_max) = _window(window)
     elif per_item or input or output:
         raise ValueError("per_item, input and output need a window: without one every field is delivered per item")
-    for name, names in (("per_item", per_item), ("input", input), ("output", output), ("constant", constant)):
+    if time_only and window is None:
+        raise ValueError("time_only fields take a window's steps; give a window")
+    for name, names in (
+        ("per_item", per_item),
+        ("input", input),
+        ("output", output),
+        ("constant", constant),
+        ("time_only", time_only),
+    ):
         missing = [f for f in names if f not in fields]
         if missing:
             raise ValueError(f"{name} names {missing}, which are not in fields")
     sampling = None
-    if n_in is not None or (dt_min, dt_max) != (1, 1) or input or output or constant:
+    if n_in is not None or (dt_min, dt_max) != (1, 1) or input or output or constant or time_only:
         sampling = json.dumps(
             {
                 "n_steps_input": n_in,
@@ -173,6 +185,7 @@ def hdf5(
                 "input": [str(f) for f in input],
                 "output": [str(f) for f in output],
                 "constant": [str(f) for f in constant],
+                "time_only": [str(f) for f in time_only],
             }
         )
     named = set(transforms or {}) | set(pair or {}) | set(spatial_axes or {})

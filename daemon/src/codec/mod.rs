@@ -442,7 +442,7 @@ impl Codec {
         max_bytes: u64,
         at_least: (u64, u64),
     ) -> Result<ArrayInfo, CodecError> {
-        if !matches!(self.format, Format::Jpeg) {
+        if !matches!(self.format, Format::Jpeg) || !self.convert.is_identity() {
             return self.decode(value, out, scratch, max_bytes);
         }
         let plain: &[u8] = match self.wrap {
@@ -464,6 +464,52 @@ impl Codec {
         let info = if denom == 1 { full } else { image::probe_jpeg_scaled(plain, denom)? };
         let bytes = info.check_size(max_bytes)?;
         image::decode_jpeg_region(plain, denom, &info, None, out.alloc(bytes))
+    }
+    /// [`Codec::decode`], except that a JPEG (with no mode or dtype
+    /// conversion) decodes only the window `crop` picks from its (height,
+    /// width), skipping the rows below it and the iMCU columns beside it.
+    /// Returns the whole image's dtype and shape, and the window's shape when
+    /// `out` holds only the window (`None`: `out` holds the whole image, for
+    /// other formats or where `crop` picks nothing).
+    pub fn decode_cropped(
+        &self,
+        value: &[u8],
+        out: &mut impl DecodeOutput,
+        scratch: &mut Vec<u8>,
+        max_bytes: u64,
+        crop: impl FnOnce(u64, u64) -> Option<(u64, u64, u64, u64)>,
+    ) -> Result<(ArrayInfo, Option<Vec<u64>>), CodecError> {
+        if !matches!(self.format, Format::Jpeg) || !self.convert.is_identity() {
+            return Ok((self.decode(value, out, scratch, max_bytes)?, None));
+        }
+        let plain: &[u8] = match self.wrap {
+            Wrap::None => value,
+            wrap => {
+                wrap.decompress(value, scratch)?;
+                scratch
+            }
+        };
+        let full = image::probe_jpeg(plain)?;
+        let full_bytes = full.check_size(max_bytes)?;
+        let window = crop(full.shape[0], full.shape[1]).and_then(|(top, left, height, width)| {
+            let fits = top.checked_add(height).is_some_and(|b| b <= full.shape[0])
+                && left.checked_add(width).is_some_and(|r| r <= full.shape[1]);
+            // The image is at most 2^20 a side (`probe_jpeg`), so these fit u32.
+            fits.then_some(image::Region {
+                top: top as u32,
+                left: left as u32,
+                height: height as u32,
+                width: width as u32,
+            })
+        });
+        let Some(region) = window else {
+            image::decode_jpeg_region(plain, 1, &full, None, out.alloc(full_bytes))?;
+            return Ok((full, None));
+        };
+        let shape = vec![u64::from(region.height), u64::from(region.width), full.shape[2]];
+        let bytes = ArrayInfo { dtype: full.dtype, shape: shape.clone() }.bytes();
+        image::decode_jpeg_region(plain, 1, &full, Some(region), out.alloc(bytes))?;
+        Ok((full, Some(shape)))
     }
 }
 

@@ -360,3 +360,68 @@ fn jpeg_region_decode_equals_cropping_the_full_decode() {
         }
     }
 }
+
+#[test]
+fn cropped_decode_then_the_rest_of_the_chain_equals_the_whole_chain() {
+    use crate::transform::{ArrayRef, Chain, SampleKey, Scratch, Step};
+    let codec = Codec::parse("jpeg", None).unwrap();
+    let normalize = Step::Normalize { mean: vec![0.45], std: vec![0.226] };
+    let chains = [
+        // The ImageNet pipeline (image engine).
+        vec![Step::RandomCrop { height: 24, width: 32 }, Step::RandomHFlip, normalize.clone(), Step::ToChw],
+        // BasicSR's augmentations after a centre crop (n-dimensional engine).
+        vec![Step::CenterCrop { height: 30, width: 30 }, Step::RandomVFlip, Step::RandomRot90, Step::RandomHFlip],
+        vec![Step::RandomCrop { height: 7, width: 9 }, Step::Cast { dtype: DType::F32 }],
+        vec![Step::RandomCrop { height: 41, width: 57 }],
+        vec![Step::RandomCrop { height: 1, width: 1 }, Step::RandomHFlip],
+    ];
+    let mut scratch = Vec::new();
+    let mut transform = Scratch::new();
+    for file in
+        ["jpeg/rgb_baseline420.jpg", "jpeg/rgb_baseline422.jpg", "jpeg/rgb_progressive.jpg", "jpeg/gray_baseline.jpg"]
+    {
+        let value = read(file);
+        for steps in &chains {
+            let chain = Chain::new("image", steps.clone(), None).unwrap();
+            let rest = chain.after_leading_crop().expect("the chain starts with an unpaired crop");
+            let mut windows = std::collections::HashSet::new();
+            for index in 0..40 {
+                let key = SampleKey { seed: 7, epoch: 2, index };
+                let mut whole = Vec::new();
+                let info = codec.decode(&value, &mut whole, &mut scratch, u64::MAX).unwrap();
+                let known: Vec<Option<u64>> = info.shape.iter().map(|&d| Some(d)).collect();
+                let (dtype, shape) = chain.output(info.dtype, &known).unwrap();
+                let bytes = shape.iter().map(|d| d.unwrap()).product::<u64>() as usize * dtype.size();
+                let mut want = vec![0u8; bytes];
+                let input = ArrayRef { bytes: &whole, dtype: info.dtype, shape: &info.shape };
+                chain.apply(input, key, None, &mut transform, &mut want).unwrap();
+
+                let mut part = Vec::new();
+                let crop = |h, w| chain.leading_crop(h, w, key).map(|c| (c.top, c.left, c.height, c.width));
+                let (full, window) = codec.decode_cropped(&value, &mut part, &mut scratch, u64::MAX, crop).unwrap();
+                assert_eq!(full, info);
+                let window = window.expect("a JPEG decodes only the crop's window");
+                assert_eq!(part.len() as u64, window.iter().product::<u64>());
+                windows.insert(chain.leading_crop(info.shape[0], info.shape[1], key));
+                let mut got = vec![0u8; bytes];
+                let input = ArrayRef { bytes: &part, dtype: full.dtype, shape: &window };
+                rest.apply(input, key, None, &mut transform, &mut got).unwrap();
+                assert!(got == want, "{file} {steps:?} sample {index}: the cropped decode's result differs");
+            }
+            let random = matches!(steps[0], Step::RandomCrop { height, .. } if height < 41);
+            assert_eq!(windows.len() > 1, random, "{file} {steps:?}: windows {windows:?}");
+        }
+    }
+    // A crop larger than the image picks no window: the whole image decodes
+    // (and the chain reports the misfit).
+    let chain = Chain::new("image", vec![Step::RandomCrop { height: 42, width: 8 }], None).unwrap();
+    let key = SampleKey { seed: 0, epoch: 0, index: 0 };
+    let crop = |h, w| chain.leading_crop(h, w, key).map(|c| (c.top, c.left, c.height, c.width));
+    let (full, window) =
+        codec.decode_cropped(&read("jpeg/rgb_baseline420.jpg"), &mut Vec::new(), &mut scratch, u64::MAX, crop).unwrap();
+    assert_eq!((full.shape[0], window), (41, None));
+    // Paired chains draw through their leader: no cropped decode.
+    let paired = crate::transform::Pair { with: "lr".into(), scale: 2 };
+    let chain = Chain::new("hr", vec![Step::RandomCrop { height: 8, width: 8 }], Some(paired)).unwrap();
+    assert!(chain.after_leading_crop().is_none() && chain.leading_crop(41, 57, key).is_none());
+}

@@ -625,17 +625,36 @@ impl LmdbSource {
             }
             return Ok(());
         }
-        // A JPEG whose chain starts by shrinking it decodes DCT-scaled (not for
-        // paired fields: their geometry is checked against the full size).
-        let info = match leading_shrink(chain) {
-            Some(size) if plan.leader.is_none() && !plan.has_followers => {
-                plan.codec.decode_at_least(value, decoded, scratch, self.max_value_bytes, size)
+        let key = SampleKey { seed: sample.seed, epoch: sample.epoch, index: sample.index };
+        // A JPEG whose chain starts by shrinking it decodes DCT-scaled; one
+        // whose chain starts with a crop decodes only the crop's window, drawn
+        // as the chain draws it (not for paired fields: their geometry is
+        // checked against the full size).
+        let solo = plan.leader.is_none() && !plan.has_followers;
+        // A value the sample cache would keep is decoded whole (later epochs
+        // crop it afresh); a cropped decode serves one epoch only.
+        let keep = cached.is_some_and(|(cache, _)| {
+            let bytes = plan.decoded.as_ref().map_or(0, |d| d.bytes());
+            cache.caches.samples.wants(bytes, &Uses::one(cache.dataset, sample.index))
+        });
+        let mut window = None; // the decoded window's shape, where only that was decoded
+        let info = match (leading_shrink(chain), chain.after_leading_crop()) {
+            (Some(size), _) if solo => plan.codec.decode_at_least(value, decoded, scratch, self.max_value_bytes, size),
+            (None, Some(_)) if solo && !keep => {
+                let crop = |h, w| chain.leading_crop(h, w, key).map(|c| (c.top, c.left, c.height, c.width));
+                plan.codec.decode_cropped(value, decoded, scratch, self.max_value_bytes, crop).map(|(info, shape)| {
+                    window = shape;
+                    info
+                })
             }
             _ => plan.codec.decode(value, decoded, scratch, self.max_value_bytes),
         }
         .map_err(codec_err)?;
-        offer(&info, decoded.as_slice());
-        self.transform_into(plan, i, &info, decoded.as_slice(), key_of(sample), shapes, transform, out, &err)
+        if window.is_none() {
+            offer(&info, decoded.as_slice());
+        }
+        let window = window.as_deref();
+        self.transform_into(plan, i, &info, decoded.as_slice(), window, key, shapes, transform, out, &err)
     }
 
     /// Serves field `i` from a cached decoded value: copied as is, or through the field's chain.
@@ -653,7 +672,7 @@ impl LmdbSource {
     ) -> Result<(), SourceError> {
         let (info, bytes) = (&hit.info, hit.data.as_slice());
         if plan.chain.is_some() && !matches!(out, LmdbOut::Skip) {
-            return self.transform_into(plan, i, info, bytes, key, shapes, transform, out, err);
+            return self.transform_into(plan, i, info, bytes, None, key, shapes, transform, out, err);
         }
         match out {
             LmdbOut::Fixed(dst) => {
@@ -682,7 +701,9 @@ impl LmdbSource {
         Ok(())
     }
 
-    /// Applies field `i`'s chain to its decoded value and writes the result into `out`.
+    /// Applies field `i`'s chain to its decoded value (`info`; or only the
+    /// window of shape `window` of it, decoded by a cropping decoder, to
+    /// which the chain after its leading crop applies) and writes the result into `out`.
     #[allow(clippy::too_many_arguments)]
     fn transform_into(
         &self,
@@ -690,6 +711,7 @@ impl LmdbSource {
         i: usize,
         info: &ArrayInfo,
         decoded: &[u8],
+        window: Option<&[u64]>,
         key: SampleKey,
         shapes: &mut [Option<Vec<u64>>],
         transform: &mut transform::Scratch,
@@ -701,20 +723,23 @@ impl LmdbSource {
             shapes[i] = Some(info.shape.clone());
             return Ok(());
         }
+        let (run, input_shape) = match (window, chain.after_leading_crop()) {
+            (Some(shape), Some(rest)) => (rest, shape),
+            _ => (chain, info.shape.as_slice()),
+        };
         let leader_shape = plan.leader.and_then(|l| shapes[l].as_deref());
         let known: Vec<Option<u64>> = info.shape.iter().map(|&d| Some(d)).collect();
         let (out_dtype, out_shape) = chain.output(info.dtype, &known).map_err(|e| err(e.to_string()))?;
         let out_shape: Vec<u64> = out_shape.into_iter().map(|d| d.expect("known input, known output")).collect();
         let apply = |dst: &mut [u8], transform: &mut transform::Scratch| {
-            chain
-                .apply(
-                    ArrayRef { bytes: decoded, dtype: info.dtype, shape: &info.shape },
-                    key,
-                    leader_shape,
-                    transform,
-                    dst,
-                )
-                .map_err(|e| err(e.to_string()))
+            run.apply(
+                ArrayRef { bytes: decoded, dtype: info.dtype, shape: input_shape },
+                key,
+                leader_shape,
+                transform,
+                dst,
+            )
+            .map_err(|e| err(e.to_string()))
         };
         match out {
             LmdbOut::Fixed(dst) => {

@@ -218,6 +218,24 @@ pub struct Chain {
     max_bytes: u64,
     /// The axes spatial steps act on, as given (negative from the end); `None`: the default.
     spatial: Option<[i64; 2]>,
+    /// Position of this chain's first random step among its draws: 0, or 1
+    /// for the rest of a chain whose random crop was applied while decoding.
+    random_base: u64,
+    /// [`Chain::after_leading_crop`], made once.
+    rest: std::sync::OnceLock<Option<Box<Chain>>>,
+}
+
+/// Where a chain's leading crop lies in an image (see [`Chain::leading_crop`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CropWindow {
+    /// First row kept.
+    pub top: u64,
+    /// First column kept.
+    pub left: u64,
+    /// Rows kept.
+    pub height: u64,
+    /// Columns kept.
+    pub width: u64,
 }
 
 impl Chain {
@@ -304,6 +322,8 @@ impl Chain {
             group,
             max_bytes: stoker_proto::DEFAULT_MAX_SAMPLE_BYTES,
             spatial: None,
+            random_base: 0,
+            rest: std::sync::OnceLock::new(),
         })
     }
 
@@ -313,6 +333,7 @@ impl Chain {
     /// (`[..., height, width, channels]`).
     pub fn with_spatial_axes(mut self, axes: Option<[i64; 2]>) -> Chain {
         self.spatial = axes;
+        self.rest = std::sync::OnceLock::new();
         self
     }
 
@@ -339,7 +360,60 @@ impl Chain {
     /// (and so [`Chain::apply`]) checks every step against it before allocating.
     pub fn with_limit(mut self, max_bytes: u64) -> Chain {
         self.max_bytes = max_bytes;
+        self.rest = std::sync::OnceLock::new();
         self
+    }
+
+    /// The window the chain's first step crops from an `[height, width, c]`
+    /// image of `height × width` for sample `key`, drawn exactly as
+    /// [`Chain::apply`] draws it; `None` unless the first step is a crop, the
+    /// chain is unpaired, works on the default spatial axes, and the crop fits
+    /// (otherwise `apply` on the whole image reports the error). A decoder
+    /// that decodes only this window then runs [`Chain::after_leading_crop`]
+    /// on it, with the same result as the whole chain on the whole image.
+    pub fn leading_crop(&self, height: u64, width: u64, key: SampleKey) -> Option<CropWindow> {
+        if self.pair.is_some() || self.spatial.is_some() || self.random_base != 0 {
+            return None;
+        }
+        let (top, left, h, w) = match self.steps.first()? {
+            Step::CenterCrop { height: h, width: w } if *h <= height && *w <= width => {
+                ((height - h) / 2, (width - w) / 2, *h, *w)
+            }
+            Step::RandomCrop { height: h, width: w } if *h <= height && *w <= width => {
+                let r = draw(key, self.group, 0);
+                (uniform(r, height - h + 1), uniform(splitmix64(r), width - w + 1), *h, *w)
+            }
+            _ => return None,
+        };
+        Some(CropWindow { top, left, height: h, width: w })
+    }
+
+    /// The chain without its leading crop, drawing its randomness as the
+    /// rest of the whole chain does (a random crop's draw comes first); for
+    /// the window [`Chain::leading_crop`] gave. `None` where that gives none.
+    pub fn after_leading_crop(&self) -> Option<&Chain> {
+        self.rest
+            .get_or_init(|| {
+                if self.pair.is_some() || self.spatial.is_some() || self.random_base != 0 {
+                    return None;
+                }
+                let random_base = match self.steps.first()? {
+                    Step::CenterCrop { .. } => 0,
+                    Step::RandomCrop { .. } => 1,
+                    _ => return None,
+                };
+                Some(Box::new(Chain {
+                    field: self.field.clone(),
+                    steps: self.steps[1..].to_vec(),
+                    pair: None,
+                    group: self.group,
+                    max_bytes: self.max_bytes,
+                    spatial: None,
+                    random_base,
+                    rest: std::sync::OnceLock::new(),
+                }))
+            })
+            .as_deref()
     }
 
     /// The field this chain belongs to.
@@ -536,7 +610,7 @@ impl Chain {
         let mut view = View { backing: Backing::Input, offset: 0, h, w, c, stride: w * c, flipped: false, dtype };
         let mut affine = Affine::identity(c as usize);
         let mut chw = false;
-        let mut random = 0u64; // position among random steps: the draw's key
+        let mut random = self.random_base; // position among random steps: the draw's key
         for step in &self.steps {
             match step {
                 Step::CenterCrop { height, width } => {

@@ -480,7 +480,7 @@ impl Chain {
         let mut view = NdView::contiguous(Backing::Input, shape.to_vec(), (0..rank).collect(), dtype);
         let mut ops: Vec<Op> = Vec::new();
         let mut converted = dtype; // the dtype after `ops`
-        let mut random = 0u64;
+        let mut random = self.random_base;
         for step in &self.steps {
             let (y, x) = (roles.y, roles.x);
             match step {

@@ -69,10 +69,18 @@ enum Role {
     /// `field[item]`: every field without a window, `per_item` ones with one.
     Item,
     /// Steps `from .. from + count` of the sample's window (all of it, or
-    /// its input or output part): `field[item, t0 + k·dt]` for each.
-    Steps { from: u64, count: u64 },
+    /// its input or output part): `field[item, t0 + k·dt]` for each, or
+    /// `field[t0 + k·dt]` for a `time_only` field (no item axis).
+    Steps { from: u64, count: u64, item_axis: bool },
     /// The whole dataset, the same for every sample of the file.
     Constant,
+}
+
+impl Role {
+    /// Whether the field's axis 0 is the item axis samples are indexed by.
+    fn has_item_axis(self) -> bool {
+        !matches!(self, Role::Constant | Role::Steps { item_axis: false, .. })
+    }
 }
 
 /// A window's index math, checked at open against the values a user gave
@@ -518,23 +526,27 @@ impl Source for Hdf5Source {
                     count[0] = 1;
                     reader.read_block(&handle.raw, &cache, &start, &count, dst.data)
                 }
-                Role::Steps { from, count: steps } => {
-                    start[0] = item;
-                    count[0] = 1;
+                Role::Steps { from, count: steps, item_axis } => {
+                    // The time axis: 1 after the item axis, or 0 for a time_only field.
+                    let t = usize::from(item_axis);
+                    if item_axis {
+                        start[0] = item;
+                        count[0] = 1;
+                    }
                     // Within the item: t0 + (size - 1)·dt < file.steps, checked at open and by `Geometry::dt`.
                     let step = |k: u64| t0 + (from + k) * dt;
                     if dt == 1 || steps <= 1 {
-                        start[1] = step(0);
-                        count[1] = steps;
+                        start[t] = step(0);
+                        count[t] = steps;
                         reader.read_block(&handle.raw, &cache, &start, &count, dst.data)
                     } else {
-                        count[1] = 1;
+                        count[t] = 1;
                         let step_bytes = dst.data.len() / steps as usize;
                         if step_bytes == 0 {
                             continue;
                         }
                         dst.data.chunks_exact_mut(step_bytes).zip(0..).try_for_each(|(part, k)| {
-                            start[1] = step(k);
+                            start[t] = step(k);
                             reader.read_block(&handle.raw, &cache, &start, &count, part)
                         })
                     }
@@ -572,6 +584,21 @@ fn roles(spec: &Hdf5Spec) -> Result<(Vec<Role>, Option<Geometry>), SourceError> 
             if let Some((other, _)) = lists[..i].iter().find(|(_, names)| names.contains(name)) {
                 return Err(invalid(format!("field {name:?} is in both {other} and {list}; a field has one role")));
             }
+        }
+    }
+    for name in &s.time_only {
+        if !spec.fields.iter().any(|(n, _)| n == name) {
+            return Err(invalid(format!("time_only names {name:?}, which is not one of the fields")));
+        }
+        if let Some((other, _)) = lists[..2].iter().find(|(_, names)| names.contains(name)) {
+            return Err(invalid(format!(
+                "field {name:?} is in both {other} and time_only; a time_only field takes the window's steps                  (it may also be in input or output)"
+            )));
+        }
+        if spec.window.is_none() {
+            return Err(invalid(format!(
+                "time_only names {name:?} but there is no window; time_only fields take a window's steps"
+            )));
         }
     }
     if spec.window.is_none()
@@ -629,12 +656,15 @@ fn roles(spec: &Hdf5Spec) -> Result<(Vec<Role>, Option<Geometry>), SourceError> 
                 Role::Constant
             } else if geometry.is_none() || spec.per_item.contains(n) {
                 Role::Item
-            } else if s.input.contains(n) {
-                Role::Steps { from: 0, count: n_in }
-            } else if s.output.contains(n) {
-                Role::Steps { from: n_in, count: n_out }
             } else {
-                Role::Steps { from: 0, count: size }
+                let item_axis = !s.time_only.contains(n);
+                if s.input.contains(n) {
+                    Role::Steps { from: 0, count: n_in, item_axis }
+                } else if s.output.contains(n) {
+                    Role::Steps { from: n_in, count: n_out, item_axis }
+                } else {
+                    Role::Steps { from: 0, count: size, item_axis }
+                }
             }
         })
         .collect();
@@ -643,9 +673,10 @@ fn roles(spec: &Hdf5Spec) -> Result<(Vec<Role>, Option<Geometry>), SourceError> 
             "a window needs at least one field that is not per_item or constant (the windowed fields)".into(),
         ));
     }
-    if !roles.iter().any(|r| *r != Role::Constant) {
+    if !roles.iter().any(|r| r.has_item_axis()) {
         return Err(invalid(
-            "every field is constant; at least one field needs the item axis that samples are indexed by".into(),
+            "every field is constant or time_only; at least one field needs the item axis that samples are              indexed by"
+                .into(),
         ));
     }
     Ok((roles, geometry))
@@ -736,7 +767,7 @@ fn open_file(
         })?;
         let shape: Vec<u64> = dataset.shape().iter().map(|&d| d as u64).collect();
         let (len, rest) = match shape.split_first() {
-            _ if role == Role::Constant => (None, &shape[..]),
+            _ if !role.has_item_axis() => (None, &shape[..]),
             Some((&len, rest)) => (Some(len), rest),
             None => {
                 return Err(field_err(
@@ -762,6 +793,7 @@ fn open_file(
             Role::Constant => shape.clone(),
             Role::Item => rest.to_vec(),
             Role::Steps { count, .. } => {
+                // `rest` follows the item axis; a time_only field's is its whole shape.
                 let Some((&time, trailing)) = rest.split_first() else {
                     return Err(field_err(format!(
                         "has shape {shape:?}; a windowed field needs a time axis (axis 1); list it in per_item \
@@ -1052,13 +1084,50 @@ mod tests {
         assert_eq!(
             roles,
             [
-                Role::Steps { from: 0, count: 4 },
-                Role::Steps { from: 4, count: 1 },
-                Role::Steps { from: 0, count: 5 },
+                Role::Steps { from: 0, count: 4, item_axis: true },
+                Role::Steps { from: 4, count: 1, item_axis: true },
+                Role::Steps { from: 0, count: 5, item_axis: true },
                 Role::Constant
             ]
         );
         assert_eq!(g.map(|g| g.span), Some(5));
+    }
+
+    #[test]
+    fn time_only_fields_take_steps_without_the_item_axis() {
+        let sampling = Hdf5Sampling {
+            n_steps_input: Some(2),
+            input: names(&["x", "t_in"]),
+            output: names(&["t_out"]),
+            time_only: names(&["t_in", "t_out", "t"]),
+            ..Default::default()
+        };
+        let fields = ["x", "t_in", "t_out", "t"];
+        let (got, _) = roles(&spec(&fields, Some(Window { size: 3, stride: 1 }), sampling)).unwrap();
+        assert_eq!(
+            got,
+            [
+                Role::Steps { from: 0, count: 2, item_axis: true },
+                Role::Steps { from: 0, count: 2, item_axis: false },
+                Role::Steps { from: 2, count: 1, item_axis: false },
+                Role::Steps { from: 0, count: 3, item_axis: false },
+            ]
+        );
+        assert!(got[0].has_item_axis() && !got[1].has_item_axis() && !Role::Constant.has_item_axis());
+        let refused = |spec: Hdf5Spec, needle: &str| match roles(&spec) {
+            Err(SourceError::Spec { message, .. }) => assert!(message.contains(needle), "{message}"),
+            other => panic!("accepted or wrong error: {other:?}"),
+        };
+        let w = Some(Window { size: 3, stride: 1 });
+        let only = |time_only: &[&str], constant: &[&str]| Hdf5Sampling {
+            time_only: names(time_only),
+            constant: names(constant),
+            ..Default::default()
+        };
+        refused(spec(&["t"], w, only(&["t"], &[])), "needs the item axis");
+        refused(spec(&["x", "t"], w, only(&["t"], &["t"])), "in both constant and time_only");
+        refused(spec(&["x", "t"], None, only(&["t"], &[])), "no window");
+        refused(spec(&["x"], w, only(&["z"], &[])), "not one of the fields");
     }
 
     #[test]
