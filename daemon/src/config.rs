@@ -258,6 +258,10 @@ pub struct Hdf5DatasetConfig {
     /// Field name → the two axes of its sample that spatial steps act on (default: see docs/python.md).
     #[serde(default)]
     pub spatial_axes: BTreeMap<String, [i64; 2]>,
+    /// `"epoch"`: match the glob again at each new epoch (files added join,
+    /// removed ones leave); `"never"` (default): once, when a stream opens.
+    #[serde(default)]
+    pub rescan: stoker_proto::Rescan,
 }
 
 impl Hdf5DatasetConfig {

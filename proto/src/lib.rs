@@ -19,13 +19,13 @@ pub use layout::{
 };
 pub use message::{
     BatchReady, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, DatasetSkips, DatasetStatus, ErrorKind,
-    FieldTransforms, Hdf5Sampling, LmdbDataset, LmdbFieldDef, OpenStream, PairDef, Request, Response, StatusReport,
+    FieldTransforms, Generation, Hdf5Sampling, LmdbDataset, LmdbFieldDef, OpenStream, PairDef, Request, Rescan, Response, StatusReport,
     StreamInfo, StreamStatus, TransformDef, WorkerStatus,
 };
 pub use steps::{step_from_json, step_names};
 
 /// Version of the wire protocol; bumped on any incompatible change.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// Socket path used when neither `--socket`, `$STOKER_SOCKET` nor a config says otherwise.
 pub const DEFAULT_SOCKET: &str = "/run/stoker/stoker.sock";
