@@ -1476,6 +1476,81 @@ mod tests {
         assert_eq!((rec.kind, rec.step), (RecordKind::Batch, 3));
     }
 
+    /// `len` samples, each writing its index plus `add`.
+    #[derive(Debug)]
+    struct Offset {
+        fields: Vec<FieldSpec>,
+        len: u64,
+        add: u64,
+    }
+
+    impl Source for Offset {
+        fn len(&self) -> u64 {
+            self.len
+        }
+
+        fn fields(&self) -> &[FieldSpec] {
+            &self.fields
+        }
+
+        fn read_sample(&self, sample: SampleRef, out: &mut [FieldOut<'_>]) -> Result<(), SourceError> {
+            out[0].data.copy_from_slice(&(sample.index + self.add).to_ne_bytes());
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_rescan_stream_stops_at_the_epoch_end_and_reads_the_rescanned_source_from_set_epoch() {
+        let old: Arc<dyn Source> = Arc::new(Offset { fields: vec![u64_field()], len: 8, add: 0 });
+        let fields: Vec<_> = old.fields().iter().map(|f| f.decl()).collect();
+        let layout = BatchLayout::new(2, fields, &LayoutLimits::DEFAULT).unwrap();
+        let shm = Shm {
+            ring: Ring::create("rescan", &layout, 3).unwrap(),
+            control: ControlPage::create("rescan").unwrap(),
+            budgets: [Budget::new(u64::MAX), Budget::new(u64::MAX)],
+            reserved: Mutex::new(Vec::new()),
+            limits: LayoutLimits::DEFAULT,
+        };
+        let pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap());
+        let meta = StreamMeta {
+            id: 1,
+            client_id: 1,
+            pid: 1,
+            dataset: "rescan".into(),
+            rank: 0,
+            world_size: 1,
+            counters: Default::default(),
+            rescan: true,
+        };
+        let was = Generation { fingerprint: 1, files: 1, samples: 8 };
+        let sampler = Sampler::new(8, 0, 1, 2, false, 0, false);
+        let stream = Stream::start_at(meta, (old, sampler, was), shm, pool, 0, 0);
+        let mut client = Client::new(&stream);
+        for step in 0..4 {
+            let rec = client.take();
+            assert_eq!((rec.kind, rec.epoch, rec.step), (RecordKind::Batch, 0, step));
+            client.give_back(rec.slot);
+        }
+        assert_eq!(client.take().kind, RecordKind::EndOfEpoch);
+        // Nothing of epoch 1 is made from the old file list.
+        assert!(client.try_take(Duration::from_millis(100)).is_none(), "a batch read ahead across a rescan");
+        assert!(stream.needs_rescan(1) && !stream.needs_rescan(0));
+        let new: Arc<dyn Source> = Arc::new(Offset { fields: vec![u64_field()], len: 12, add: 1000 });
+        let now = Generation { fingerprint: 2, files: 2, samples: 12 };
+        let sampler = Sampler::new(12, 0, 1, 2, false, 0, false);
+        let skip_to = stream.set_epoch_with(1, 0, Some((new, sampler, now))).unwrap();
+        client.q.skip_to(stream.control().control(), skip_to);
+        assert_eq!((stream.sampler().batches_per_epoch(), stream.generation()), (6, now));
+        assert!(!stream.needs_rescan(1));
+        for step in 0..6 {
+            let rec = client.take();
+            assert_eq!((rec.kind, rec.epoch, rec.step), (RecordKind::Batch, 1, step));
+            assert_eq!([client.value(&rec, 0), client.value(&rec, 1)], [1000 + 2 * step, 1001 + 2 * step]);
+            client.give_back(rec.slot);
+        }
+        assert_eq!(client.take().kind, RecordKind::EndOfEpoch);
+    }
+
     /// Ragged values of `len` u8s for sample i: i+1 bytes, except sample 5: `big` bytes.
     #[derive(Debug)]
     struct Ragged {
