@@ -194,6 +194,23 @@ impl Client {
             other => Err(unexpected(&other)),
         }
     }
+
+    /// The caches' contents per dataset (what `stoker cache ls` prints).
+    pub fn cache_list(&self) -> Result<stoker_proto::CacheReport> {
+        match self.conn.request(&Request::CacheList, &mut || false)? {
+            Response::CacheList(report) => Ok(report),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Drops the cache entries of `dataset` (of every dataset with `None`);
+    /// returns the entries and bytes dropped.
+    pub fn cache_drop(&self, dataset: Option<&str>) -> Result<(u64, u64)> {
+        match self.conn.request(&Request::CacheDrop { dataset: dataset.map(str::to_owned) }, &mut || false)? {
+            Response::CacheDropped { entries, bytes } => Ok((entries, bytes)),
+            other => Err(unexpected(&other)),
+        }
+    }
 }
 
 /// `mode 0600, owner uid 0, group 0` for a socket file, for messages.

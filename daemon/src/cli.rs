@@ -85,6 +85,54 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Inspect, fill or empty the daemon's node-wide caches.
+    Cache {
+        #[command(subcommand)]
+        action: CacheAction,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum CacheAction {
+    /// Per dataset: bytes and entries held, hit rate, evictions, and the policy.
+    Ls {
+        #[command(flatten)]
+        target: Target,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Read a dataset named in the daemon's config through the daemon once
+    /// (or N times) in order, so the jobs that follow start with hits.
+    Warm {
+        /// Dataset name (`stoker datasets` lists them).
+        dataset: String,
+        #[command(flatten)]
+        target: Target,
+        /// Passes over the dataset.
+        #[arg(long, default_value_t = 1)]
+        epochs: u64,
+        /// Samples per batch read.
+        #[arg(long, default_value_t = 64)]
+        batch_size: u64,
+        /// Print one JSON object when done instead of a progress bar.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Drop the cache entries of one dataset (or, for root and the daemon's user, of all).
+    Drop {
+        /// Dataset name or label as `stoker cache ls` shows it.
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        dataset: Option<String>,
+        /// Every dataset's entries.
+        #[arg(long)]
+        all: bool,
+        #[command(flatten)]
+        target: Target,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// How `stoker serve` writes its log.
@@ -173,6 +221,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             status(&target, json, watch)
         }
+        Command::Cache { action } => cache(action),
         Command::Datasets { target, json } => {
             let list = target.connect()?.datasets()?;
             if json {
@@ -188,6 +237,135 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// `stoker cache ls | warm | drop`.
+fn cache(action: CacheAction) -> anyhow::Result<ExitCode> {
+    match action {
+        CacheAction::Ls { target, json } => {
+            let report = target.connect()?.cache_list()?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", format_cache(&report));
+            }
+        }
+        CacheAction::Drop { dataset, all: _, target, json } => {
+            let (entries, bytes) = target.connect()?.cache_drop(dataset.as_deref())?;
+            if json {
+                println!("{}", serde_json::json!({ "dataset": dataset, "entries": entries, "bytes": bytes }));
+            } else {
+                println!(
+                    "dropped {entries} entries ({}) of {}",
+                    human_bytes(bytes),
+                    dataset.as_deref().unwrap_or("every dataset")
+                );
+            }
+        }
+        CacheAction::Warm { dataset, target, epochs, batch_size, json } => {
+            let client = target.connect()?;
+            let before = client.cache_list()?;
+            let open = stoker_proto::OpenStream {
+                dataset: stoker_proto::DatasetRef::Named(dataset.clone()),
+                batch_size,
+                shuffle: false,
+                seed: 0,
+                drop_last: false,
+                rank: 0,
+                world_size: 1,
+                epoch: 0,
+                step: 0,
+            };
+            let stream = client.open_stream(open)?;
+            let per_epoch = stream.info().batches_per_epoch;
+            let bar = if json {
+                indicatif::ProgressBar::hidden()
+            } else {
+                indicatif::ProgressBar::new(per_epoch.saturating_mul(epochs))
+            };
+            bar.set_style(
+                indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} batches, {per_sec}, eta {eta}")
+                    .map_err(|e| anyhow::anyhow!("{e}"))?
+                    .progress_chars("=> "),
+            );
+            bar.set_message(format!("warming {dataset}"));
+            let started = std::time::Instant::now();
+            let mut samples = 0u64;
+            for epoch in 0..epochs {
+                stream.set_epoch(epoch, 0)?;
+                while let Some(batch) = stream.next()? {
+                    samples += batch.rows();
+                    bar.inc(1);
+                }
+            }
+            bar.finish_and_clear();
+            stream.close()?;
+            let after = client.cache_list()?;
+            let held = |r: &stoker_proto::CacheReport| {
+                r.datasets.iter().filter(|d| d.dataset == dataset).map(|d| (d.bytes, d.entries)).fold(
+                    (0, 0),
+                    |(b, e), (db, de)| (b + db, e + de),
+                )
+            };
+            let ((b0, _), (b1, e1)) = (held(&before), held(&after));
+            let seconds = started.elapsed().as_secs_f64();
+            if json {
+                let value = serde_json::json!({
+                    "dataset": dataset, "epochs": epochs, "samples": samples, "seconds": seconds,
+                    "bytes": b1, "entries": e1, "added_bytes": b1.saturating_sub(b0),
+                });
+                println!("{value}");
+            } else {
+                println!(
+                    "warmed {dataset}: read {samples} samples in {seconds:.1} s; the caches hold {} of it in {e1} \
+                     entries",
+                    human_bytes(b1)
+                );
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `stoker cache ls` as a table.
+pub fn format_cache(r: &stoker_proto::CacheReport) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let rate = |hits: u64, misses: u64| {
+        let n = hits + misses;
+        if n == 0 { "-".to_string() } else { format!("{:.1}%", 100.0 * hits as f64 / n as f64) }
+    };
+    for (name, c) in [("chunk cache", &r.chunks), ("sample cache", &r.samples)] {
+        let _ = writeln!(
+            out,
+            "{name}: {} of {}, {} entries, hit rate {}, {} evictions",
+            human_bytes(c.bytes),
+            human_bytes(c.capacity),
+            c.entries,
+            rate(c.hits, c.misses),
+            c.evictions
+        );
+    }
+    let _ = writeln!(out, "policy: {}, planning over {} registered streams\n", r.policy, r.streams);
+    if r.datasets.is_empty() {
+        let _ = writeln!(out, "nothing cached yet");
+        return out;
+    }
+    let rows = r.datasets.iter().map(|d| {
+        vec![
+            shorten(&d.dataset, 40),
+            d.cache.clone(),
+            human_bytes(d.bytes),
+            d.entries.to_string(),
+            rate(d.hits, d.misses),
+            d.hits.to_string(),
+            d.misses.to_string(),
+            d.evictions.to_string(),
+            d.rejected.to_string(),
+        ]
+    });
+    table(&mut out, &["DATASET", "CACHE", "BYTES", "ENTRIES", "HIT RATE", "HITS", "MISSES", "EVICTED", "REFUSED"], rows);
+    out
 }
 
 /// `stoker validate FILE`: parses the config (a TOML error stops there: it
@@ -575,16 +753,17 @@ pub fn format_status(r: &StatusReport, users: &std::collections::HashMap<u32, St
         human_duration(w.window_s),
         w.busy_s
     );
-    let c = &r.chunk_cache;
-    let lookups = c.hits + c.misses;
-    let _ = writeln!(
-        out,
-        "chunk cache: {} of {}, {} chunks, hit rate {}",
-        human_bytes(c.bytes),
-        human_bytes(c.capacity),
-        c.entries,
-        if lookups == 0 { "-".to_string() } else { format!("{:.1}%", 100.0 * c.hits as f64 / lookups as f64) }
-    );
+    for (name, unit, c) in [("chunk cache", "chunks", &r.chunk_cache), ("sample cache", "samples", &r.sample_cache)] {
+        let lookups = c.hits + c.misses;
+        let _ = writeln!(
+            out,
+            "{name}: {} of {}, {} {unit}, hit rate {}",
+            human_bytes(c.bytes),
+            human_bytes(c.capacity),
+            c.entries,
+            if lookups == 0 { "-".to_string() } else { format!("{:.1}%", 100.0 * c.hits as f64 / lookups as f64) }
+        );
+    }
     let ring_bytes: u64 = r.datasets.iter().map(|d| d.ring_bytes).sum();
     let ring_streams: u64 = r.datasets.iter().map(|d| d.streams).sum();
     let _ = writeln!(out, "shared memory: {} in the rings of {ring_streams} streams", human_bytes(ring_bytes));
@@ -767,7 +946,8 @@ mod tests {
                 slots_leased: 1,
                 depth: 4,
             }],
-            chunk_cache: CacheStatus { bytes: 0, capacity: 1 << 20, entries: 0, hits: 0, misses: 0 },
+            chunk_cache: CacheStatus { bytes: 0, capacity: 1 << 20, entries: 0, hits: 0, misses: 0, evictions: 0 },
+            sample_cache: CacheStatus { bytes: 0, capacity: 1 << 20, entries: 0, hits: 0, misses: 0, evictions: 0 },
             skipped: vec![],
             datasets: vec![DatasetStatus {
                 dataset: "train".into(),

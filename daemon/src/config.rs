@@ -208,11 +208,19 @@ impl Default for Hdf5Config {
 pub struct CacheConfig {
     /// Bytes of decoded HDF5 chunks kept, shared by all streams (0 disables the cache).
     pub chunk_bytes: u64,
+    /// Bytes of decoded samples kept (images and compressed values of LMDB
+    /// fields, before random transforms), shared by all streams and jobs (0
+    /// disables it). Unset: 1 GiB, or a quarter of what the memory budget
+    /// leaves after the chunk cache if that is less.
+    pub sample_bytes: Option<u64>,
+    /// Which entry both caches evict: `"belady"` (furthest next use over
+    /// every registered stream) or `"lru"`.
+    pub policy: crate::cache::Policy,
 }
 
 impl Default for CacheConfig {
     fn default() -> Self {
-        CacheConfig { chunk_bytes: 512 << 20 }
+        CacheConfig { chunk_bytes: 512 << 20, sample_bytes: None, policy: crate::cache::Policy::Belady }
     }
 }
 
@@ -411,6 +419,10 @@ pub struct Settings {
     pub limits: LimitsConfig,
     /// Bytes of the decoded-chunk cache.
     pub chunk_cache_bytes: u64,
+    /// Bytes of the decoded-sample cache.
+    pub sample_cache_bytes: u64,
+    /// Eviction policy of both caches.
+    pub cache_policy: crate::cache::Policy,
     /// HDF5 fast path on or off.
     pub hdf5_fast_path: bool,
     /// Named datasets.
@@ -566,13 +578,17 @@ impl Config {
         if limits.max_memory_bytes == 0 {
             limits.max_memory_bytes = physical_memory().map_or(u64::MAX, |bytes| bytes / 2);
         }
-        if self.cache.chunk_bytes >= limits.max_memory_bytes {
+        let sample_bytes = self.cache.sample_bytes.unwrap_or_else(|| {
+            (1u64 << 30).min(limits.max_memory_bytes.saturating_sub(self.cache.chunk_bytes) / 4)
+        });
+        if self.cache.chunk_bytes.saturating_add(sample_bytes) >= limits.max_memory_bytes {
+            let key = if sample_bytes > self.cache.chunk_bytes { "sample_bytes" } else { "chunk_bytes" };
             problem(
-                &["cache", "chunk_bytes"],
+                &["cache", key],
                 format!(
-                    "[cache] chunk_bytes = {} leaves nothing of the daemon's memory budget ([limits] \
-                     max_memory_bytes = {}) for the rings; lower it or raise the budget",
-                    self.cache.chunk_bytes, limits.max_memory_bytes
+                    "[cache] chunk_bytes = {} plus sample_bytes = {} leave nothing of the daemon's memory budget \
+                     ([limits] max_memory_bytes = {}) for the rings; lower them or raise the budget",
+                    self.cache.chunk_bytes, sample_bytes, limits.max_memory_bytes
                 ),
             );
         }
@@ -659,6 +675,8 @@ impl Config {
             ring_depth: self.ring.depth,
             limits,
             chunk_cache_bytes: self.cache.chunk_bytes,
+            sample_cache_bytes: sample_bytes,
+            cache_policy: self.cache.policy,
             hdf5_fast_path: self.hdf5.fast_path,
             datasets: self.datasets,
             metrics_listen,
@@ -757,7 +775,7 @@ impl Config {
             Err(message) => return Some((vec!["transforms".to_string()], message)),
         };
         let opened = hdf5::check_files(&spec, None).and_then(|files| {
-            let cache = std::sync::Arc::new(crate::cache::ChunkCache::new(0));
+            let cache = crate::cache::CacheCtx::disabled();
             let source = Hdf5Source::open(&spec, files, cache, OpenFiles::new(self.limits.max_open_files))?;
             if chains.is_empty() {
                 return Ok(());

@@ -17,7 +17,7 @@ use stoker_proto::{
     DatasetInfo, DatasetRef, DatasetStatus, ErrorKind, FieldTransforms, Generation, LmdbDataset, Rescan, TransformDef,
 };
 
-use crate::cache::ChunkCache;
+use crate::cache::{CacheCtx, Caches};
 use crate::codec::{Codec, Convert, RawLayout};
 use crate::config::{DatasetConfig, Hdf5DatasetConfig, Settings};
 use crate::fsaccess::{self, AccessError, CheckedLmdb, FileId, Peer, Rights, Want};
@@ -44,6 +44,10 @@ pub struct Opened {
     pub rescan: bool,
     /// Which files (keys) the source reads.
     pub generation: Generation,
+    /// Fingerprint of its description and file identities: streams of the
+    /// same fingerprint read the same samples under the same indices, so the
+    /// caches plan eviction over all of them.
+    pub fingerprint: u64,
 }
 
 /// One cached source: the identities of its files, and since when no stream uses it.
@@ -63,7 +67,7 @@ type Registry = Mutex<HashMap<String, Entry>>;
 pub struct Datasets {
     /// Replaced as a whole on SIGHUP; sources already open stay as they are.
     settings: RwLock<Arc<Settings>>,
-    chunk_cache: Arc<ChunkCache>,
+    caches: Arc<Caches>,
     open_files: Arc<OpenFiles>,
     /// Keyed by the resolved description.
     open: Arc<Registry>,
@@ -91,7 +95,7 @@ impl Files {
 
 impl Datasets {
     /// An empty registry for `settings`; closes idle datasets on a thread of its own.
-    pub fn new(settings: Settings, chunk_cache: Arc<ChunkCache>) -> Datasets {
+    pub fn new(settings: Settings, caches: Arc<Caches>) -> Datasets {
         let open_files = OpenFiles::new(max_open_files(settings.limits.max_open_files));
         let open: Arc<Registry> = Arc::default();
         let idle = Duration::from_secs_f64(settings.limits.idle_close_s.max(0.0));
@@ -101,7 +105,7 @@ impl Datasets {
         if let Err(e) = spawned {
             tracing::warn!(error = %e, "cannot start the idle-close thread: idle datasets stay open");
         }
-        Datasets { settings: RwLock::new(Arc::new(settings)), chunk_cache, open_files, open }
+        Datasets { settings: RwLock::new(Arc::new(settings)), caches, open_files, open }
     }
 
     /// Uses `settings` for datasets opened from now on (limits such as
@@ -147,6 +151,9 @@ impl Datasets {
         let mut ids = files.ids();
         ids.extend(stats_ids);
         let rescan = rescan == Rescan::Epoch;
+        let fingerprint = crate::cache::fingerprint(&(&key, &ids));
+        self.caches.futures.label(fingerprint, &label);
+        let cache = CacheCtx { caches: self.caches.clone(), dataset: fingerprint };
         // A poisoned source (its file found truncated or corrupt) is opened afresh.
         if let Some(entry) = self.lock().get_mut(&key)
             && entry.ids == ids
@@ -157,21 +164,22 @@ impl Datasets {
                 label,
                 source: entry.opened.source.clone(),
                 rescan,
+                fingerprint,
                 generation: entry.generation,
             });
         }
         // HDF5: the files as matched, with their identities (and those of
         // statistics files); LMDB: the key list (set below, once listed).
-        let mut fingerprint = Fnv::default();
+        let mut list = Fnv::default();
         if let Files::Hdf5(checked) = &files {
             for file in checked {
-                fingerprint.write(file.path.as_os_str().as_encoded_bytes());
+                list.write(file.path.as_os_str().as_encoded_bytes());
             }
             for id in &ids {
                 for word in [id.dev, id.ino, id.size] {
-                    fingerprint.write(&word.to_le_bytes());
+                    list.write(&word.to_le_bytes());
                 }
-                fingerprint.write(&id.mtime_ns.to_le_bytes());
+                list.write(&id.mtime_ns.to_le_bytes());
             }
         }
         let file_count = match &files {
@@ -181,7 +189,7 @@ impl Datasets {
         let source: Arc<dyn Source> = match (resolved, files) {
             (Resolved::Hdf5(spec, chains), Files::Hdf5(files)) => {
                 let source: Arc<dyn Source> = Arc::new(
-                    Hdf5Source::open(&spec, files, self.chunk_cache.clone(), self.open_files.clone())
+                    Hdf5Source::open(&spec, files, cache, self.open_files.clone())
                         .map_err(refuse)?,
                 );
                 if chains.is_empty() {
@@ -194,10 +202,10 @@ impl Datasets {
                 }
             }
             (Resolved::Lmdb(spec), Files::Lmdb(checked, _)) => {
-                let source = LmdbSource::open_checked(&spec, &checked).map_err(refuse)?;
+                let source = LmdbSource::open_checked(&spec, &checked).map_err(refuse)?.with_cache(cache);
                 for key in source.keys() {
-                    fingerprint.write(&(key.len() as u64).to_le_bytes());
-                    fingerprint.write(key);
+                    list.write(&(key.len() as u64).to_le_bytes());
+                    list.write(key);
                 }
                 Arc::new(source)
             }
@@ -210,9 +218,9 @@ impl Datasets {
                 ));
             }
         };
-        let generation = Generation { fingerprint: fingerprint.0, files: file_count, samples: source.len() };
+        let generation = Generation { fingerprint: list.0, files: file_count, samples: source.len() };
         tracing::info!(dataset = %label, samples = source.len(), files = file_count, generation = %format_args!("{:016x}", generation.fingerprint), "opened dataset");
-        let opened = Opened { label, source, rescan, generation };
+        let opened = Opened { label, source, fingerprint, rescan, generation };
         let mut open = self.lock();
         // A changed file replaces the old entry: streams reading the old one
         // keep it until they close (and fail if they read the changed bytes).

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use hdf5::LocationType;
 use hdf5::datatype::ByteOrder;
 
-use crate::cache::ChunkCache;
+use crate::cache::CacheCtx;
 use crate::source::hdf5::classify;
 use crate::source::hdf5::field::FieldReader;
 
@@ -40,13 +40,13 @@ pub struct DatasetReport {
 /// Inspects every dataset of the file at `path`.
 pub fn inspect(path: &Path) -> anyhow::Result<Vec<DatasetReport>> {
     let file = hdf5::File::open(path).map_err(|e| anyhow::anyhow!("cannot open {} as HDF5: {e}", path.display()))?;
-    let cache = ChunkCache::new(0);
+    let cache = CacheCtx::disabled();
     let mut out = Vec::new();
     visit(&file, "", &cache, &mut out)?;
     Ok(out)
 }
 
-fn visit(group: &hdf5::Group, prefix: &str, cache: &ChunkCache, out: &mut Vec<DatasetReport>) -> anyhow::Result<()> {
+fn visit(group: &hdf5::Group, prefix: &str, cache: &CacheCtx, out: &mut Vec<DatasetReport>) -> anyhow::Result<()> {
     let mut names = group.member_names()?;
     names.sort();
     for name in names {
@@ -60,7 +60,7 @@ fn visit(group: &hdf5::Group, prefix: &str, cache: &ChunkCache, out: &mut Vec<Da
     Ok(())
 }
 
-fn report(dataset: hdf5::Dataset, path: String, cache: &ChunkCache) -> DatasetReport {
+fn report(dataset: hdf5::Dataset, path: String, cache: &CacheCtx) -> DatasetReport {
     let shape: Vec<u64> = dataset.shape().iter().map(|&d| d as u64).collect();
     let layout = format!("{:?}", dataset.layout()).to_lowercase();
     let chunks = dataset.chunk().map(|c| c.iter().map(|&d| d as u64).collect());
@@ -94,7 +94,7 @@ fn report(dataset: hdf5::Dataset, path: String, cache: &ChunkCache) -> DatasetRe
         Ok((dtype, descriptor)) if !shape.is_empty() => {
             let read_path = match crate::source::hdf5::mem_type(&file_type, &descriptor)
                 .map_err(|e| e.to_string())
-                .and_then(|mem| FieldReader::new(dataset, dtype, &file_type, mem, cache.new_id(), true))
+                .and_then(|mem| FieldReader::new(dataset, dtype, &file_type, mem, cache.dataset, true))
             {
                 Ok(reader) => reader.layout.describe(),
                 Err(e) => format!("cannot read: {e}"),

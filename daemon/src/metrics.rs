@@ -146,6 +146,8 @@ pub struct Scrape {
     pub sources: Vec<(String, Arc<dyn Source>)>,
     /// The chunk cache.
     pub cache: CacheStats,
+    /// The sample cache.
+    pub sample_cache: CacheStats,
     /// Connected clients.
     pub clients: u64,
     /// Threads in the worker pool.
@@ -238,6 +240,7 @@ impl Metrics {
             streams,
             datasets: rows,
             cache: scrape.cache,
+            sample_cache: scrape.sample_cache,
             clients: scrape.clients,
             worker_threads: scrape.worker_threads,
             worker_busy_s: nanos_to_s(self.worker_busy_ns.load(Ordering::Relaxed)),
@@ -289,6 +292,7 @@ struct Snapshot {
     streams: Vec<StreamRow>,
     datasets: BTreeMap<String, DatasetRow>,
     cache: CacheStats,
+    sample_cache: CacheStats,
     clients: u64,
     worker_threads: u64,
     worker_busy_s: f64,
@@ -395,6 +399,21 @@ impl Collector for Snapshot {
             Int(c.capacity),
         )?;
         single(e, "stoker_chunk_cache_entries", "Chunks held", None, Gauge, Int(c.entries))?;
+        single(e, "stoker_chunk_cache_evictions", "Chunks evicted to make room", None, Counter, Int(c.evictions))?;
+        let c = &self.sample_cache;
+        single(e, "stoker_sample_cache_hits", "Sample cache lookups that found their value", None, Counter, Int(c.hits))?;
+        single(e, "stoker_sample_cache_misses", "Sample cache lookups that did not", None, Counter, Int(c.misses))?;
+        single(e, "stoker_sample_cache", "Decoded sample bytes held", Some(&Unit::Bytes), Gauge, Int(c.bytes))?;
+        single(
+            e,
+            "stoker_sample_cache_capacity",
+            "Sample cache capacity ([cache] sample_bytes)",
+            Some(&Unit::Bytes),
+            Gauge,
+            Int(c.capacity),
+        )?;
+        single(e, "stoker_sample_cache_entries", "Decoded samples held", None, Gauge, Int(c.entries))?;
+        single(e, "stoker_sample_cache_evictions", "Samples evicted to make room", None, Counter, Int(c.evictions))?;
 
         let datasets: Vec<(String, &DatasetRow)> = self.datasets.iter().map(|(k, v)| (label(k), v)).collect();
         let per_dataset = |f: fn(&DatasetRow) -> Value| {

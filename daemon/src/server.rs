@@ -24,7 +24,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, watch};
 use tracing::Instrument;
 
-use crate::cache::ChunkCache;
+use crate::cache::Caches;
 use crate::config::Settings;
 use crate::dataset::Datasets;
 use crate::ring::{ControlPage, Ring};
@@ -57,7 +57,7 @@ pub struct Daemon {
     started: Instant,
     pool: Arc<rayon::ThreadPool>,
     datasets: Datasets,
-    chunk_cache: Arc<ChunkCache>,
+    caches: Arc<Caches>,
     clients: Mutex<BTreeMap<u64, ClientStatus>>,
     streams: Mutex<BTreeMap<u64, Arc<Stream>>>,
     connected: Mutex<HashMap<u64, Instant>>,
@@ -69,7 +69,7 @@ pub struct Daemon {
     next_id: AtomicU64,
     own_uid: u32,
     metrics: crate::metrics::Metrics,
-    /// Shared memory all streams may hold: `[limits] max_memory_bytes` less the chunk cache.
+    /// Shared memory all streams may hold: `[limits] max_memory_bytes` less the caches.
     memory: Arc<Budget>,
     /// Worker busy time sampled once a second, for utilisation over a window.
     load: Arc<Mutex<VecDeque<(Instant, Duration)>>>,
@@ -101,20 +101,20 @@ impl Daemon {
             .num_threads(settings.worker_threads)
             .thread_name(|i| format!("stoker-worker-{i}"))
             .build()?;
-        let chunk_cache = Arc::new(ChunkCache::new(settings.chunk_cache_bytes as usize));
-        let datasets = Datasets::new(settings.clone(), chunk_cache.clone());
+        let caches = Caches::new(settings.chunk_cache_bytes, settings.sample_cache_bytes, settings.cache_policy);
+        let datasets = Datasets::new(settings.clone(), caches.clone());
         let load = Arc::new(Mutex::new(VecDeque::new()));
         let weak = Arc::downgrade(&load);
         if let Err(e) = std::thread::Builder::new().name("stoker-load".into()).spawn(move || sample_load(weak)) {
             tracing::warn!(error = %e, "cannot start the load sampler: `stoker status` shows utilisation since start");
         }
-        let memory = Budget::new(settings.limits.max_memory_bytes.saturating_sub(settings.chunk_cache_bytes));
+        let memory = Budget::new(settings.limits.max_memory_bytes.saturating_sub(caches.capacity()));
         Ok(Arc::new(Daemon {
             settings: RwLock::new(Arc::new(settings)),
             started: Instant::now(),
             pool: Arc::new(pool),
             datasets,
-            chunk_cache,
+            caches,
             clients: Mutex::new(BTreeMap::new()),
             streams: Mutex::new(BTreeMap::new()),
             connected: Mutex::new(HashMap::new()),
@@ -164,6 +164,8 @@ impl Daemon {
             ("socket", old.socket != new.socket),
             ("worker threads", old.worker_threads != new.worker_threads),
             ("chunk cache size", old.chunk_cache_bytes != new.chunk_cache_bytes),
+            ("sample cache size", old.sample_cache_bytes != new.sample_cache_bytes),
+            ("cache policy", old.cache_policy != new.cache_policy),
             ("[metrics] listen", old.metrics_listen != new.metrics_listen),
         ] {
             if differs {
@@ -171,7 +173,7 @@ impl Daemon {
             }
         }
         self.datasets.reload(new.clone());
-        self.memory.set_limit(new.limits.max_memory_bytes.saturating_sub(old.chunk_cache_bytes));
+        self.memory.set_limit(new.limits.max_memory_bytes.saturating_sub(self.caches.capacity()));
         *self.settings.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(new);
         changes
     }
@@ -264,10 +266,8 @@ impl Daemon {
             uptime_s: self.started.elapsed().as_secs_f64(),
             worker_threads: self.pool.current_num_threads() as u64,
             clients,
-            chunk_cache: {
-                let s = self.chunk_cache.stats();
-                CacheStatus { bytes: s.bytes, capacity: s.capacity, entries: s.entries, hits: s.hits, misses: s.misses }
-            },
+            chunk_cache: cache_status(self.caches.chunks.stats()),
+            sample_cache: cache_status(self.caches.samples.stats()),
             skipped: self
                 .datasets
                 .skips()
@@ -301,17 +301,148 @@ impl Daemon {
         self.datasets.named()
     }
 
+    /// Labels `viewer` may see: every dataset for root and the daemon's
+    /// user; otherwise those named in the config and those its streams read.
+    fn visible_labels(&self, viewer: u32) -> Option<std::collections::HashSet<String>> {
+        if viewer == 0 || viewer == self.own_uid {
+            return None;
+        }
+        let mine: std::collections::HashSet<u64> =
+            lock(&self.clients).values().filter(|c| c.uid == viewer).map(|c| c.id).collect();
+        let mut labels: std::collections::HashSet<String> = self.settings().datasets.keys().cloned().collect();
+        labels.extend(
+            lock(&self.streams)
+                .values()
+                .filter(|s| mine.contains(&s.meta().client_id))
+                .map(|s| s.meta().dataset.clone()),
+        );
+        Some(labels)
+    }
+
+    /// The caches per dataset, as `viewer` may see them (`stoker cache ls`).
+    fn cache_report(&self, viewer: u32) -> stoker_proto::CacheReport {
+        let visible = self.visible_labels(viewer);
+        let futures = &self.caches.futures;
+        let mut datasets = Vec::new();
+        let mut hidden: [Option<stoker_proto::CacheDatasetStatus>; 2] = [None, None];
+        let per = [("chunks", self.caches.chunks.datasets()), ("samples", self.caches.samples.datasets())];
+        for (k, (cache, rows)) in per.into_iter().enumerate() {
+            for (dataset, c) in rows {
+                let label = futures.label_of(dataset).unwrap_or_else(|| format!("(dataset {dataset:016x})"));
+                let shown = visible.as_ref().is_none_or(|v| v.contains(&label));
+                let row = stoker_proto::CacheDatasetStatus {
+                    dataset: if shown { label } else { "(other users' datasets)".into() },
+                    cache: cache.into(),
+                    bytes: c.bytes,
+                    entries: c.entries,
+                    hits: c.hits,
+                    misses: c.misses,
+                    evictions: c.evictions,
+                    rejected: c.rejected,
+                };
+                if shown {
+                    // Reopened datasets (a changed file) share their label: one row each.
+                    match datasets.iter_mut().find(|r: &&mut stoker_proto::CacheDatasetStatus| {
+                        r.dataset == row.dataset && r.cache == row.cache
+                    }) {
+                        Some(r) => add_counts(r, &row),
+                        None => datasets.push(row),
+                    }
+                } else {
+                    match &mut hidden[k] {
+                        Some(r) => add_counts(r, &row),
+                        slot @ None => *slot = Some(row),
+                    }
+                }
+            }
+        }
+        datasets.extend(hidden.into_iter().flatten());
+        stoker_proto::CacheReport {
+            policy: self.caches.chunks.policy().to_string(),
+            chunks: cache_status(self.caches.chunks.stats()),
+            samples: cache_status(self.caches.samples.stats()),
+            streams: futures.streams() as u64,
+            datasets,
+        }
+    }
+
+    /// Drops the cache entries of `dataset` (every dataset with `None`, for root and the daemon's user only).
+    fn cache_drop(&self, viewer: u32, dataset: Option<&str>) -> Response {
+        let visible = self.visible_labels(viewer);
+        let (mut entries, mut bytes) = (0, 0);
+        let mut add = |(e, b): (u64, u64)| {
+            entries += e;
+            bytes += b;
+        };
+        match dataset {
+            None if visible.is_some() => {
+                return Response::Error {
+                    kind: ErrorKind::PermissionDenied,
+                    message: "only root and the daemon's user may drop every dataset's cache entries; name a dataset \
+                              (`stoker cache ls` lists those you may drop)"
+                        .into(),
+                };
+            }
+            None => {
+                add(self.caches.chunks.drop_dataset(None));
+                add(self.caches.samples.drop_dataset(None));
+            }
+            Some(label) => {
+                if visible.as_ref().is_some_and(|v| !v.contains(label)) {
+                    return Response::Error {
+                        kind: ErrorKind::NotFound,
+                        message: format!("no cached dataset {label:?} that you may drop; see `stoker cache ls`"),
+                    };
+                }
+                let fingerprints = self.caches.futures.datasets_named(label);
+                if fingerprints.is_empty() {
+                    return Response::Error {
+                        kind: ErrorKind::NotFound,
+                        message: format!("no cached dataset {label:?}; see `stoker cache ls`"),
+                    };
+                }
+                for d in fingerprints {
+                    add(self.caches.chunks.drop_dataset(Some(d)));
+                    add(self.caches.samples.drop_dataset(Some(d)));
+                }
+            }
+        }
+        tracing::info!(uid = viewer, dataset = dataset.unwrap_or("(all)"), entries, bytes, "cache entries dropped");
+        Response::CacheDropped { entries, bytes }
+    }
+
     /// The Prometheus (OpenMetrics text) exposition of the daemon's state, for `GET /metrics`.
     pub fn metrics_text(&self) -> String {
         let streams: Vec<Arc<Stream>> = lock(&self.streams).values().cloned().collect();
         self.metrics.render(crate::metrics::Scrape {
             streams,
             sources: self.datasets.sources(),
-            cache: self.chunk_cache.stats(),
+            cache: self.caches.chunks.stats(),
+            sample_cache: self.caches.samples.stats(),
             clients: lock(&self.clients).len() as u64,
             worker_threads: self.pool.current_num_threads() as u64,
         })
     }
+}
+
+fn cache_status(s: crate::cache::CacheStats) -> CacheStatus {
+    CacheStatus {
+        bytes: s.bytes,
+        capacity: s.capacity,
+        entries: s.entries,
+        hits: s.hits,
+        misses: s.misses,
+        evictions: s.evictions,
+    }
+}
+
+fn add_counts(to: &mut stoker_proto::CacheDatasetStatus, from: &stoker_proto::CacheDatasetStatus) {
+    to.bytes += from.bytes;
+    to.entries += from.entries;
+    to.hits += from.hits;
+    to.misses += from.misses;
+    to.evictions += from.evictions;
+    to.rejected += from.rejected;
 }
 
 /// One admitted connection; dropping it frees its place.
@@ -787,6 +918,8 @@ impl Connection {
             },
             Request::Status => Response::Status(self.daemon.status(self.uid, self.id)),
             Request::Datasets => Response::Datasets(self.daemon.datasets()),
+            Request::CacheList => Response::CacheList(self.daemon.cache_report(self.uid)),
+            Request::CacheDrop { dataset } => self.daemon.cache_drop(self.uid, dataset.as_deref()),
             Request::Close { stream } => match self.streams.remove(&stream) {
                 Some(s) => {
                     self.rescans.remove(&stream);
@@ -830,6 +963,7 @@ impl Connection {
         }
         let opened = self.open_dataset(&open).await?;
         let (label, source, generation) = (opened.label, opened.source, opened.generation);
+        let fingerprint = opened.fingerprint;
         let sampler = sampler_for(&open, source.len());
         if open.step > sampler.batches_per_epoch() {
             return Err((
@@ -866,12 +1000,12 @@ impl Connection {
             )
         })?;
         let ours = self.daemon.memory.reserve(want).map_err(|total| {
-            let cache = settings.chunk_cache_bytes;
+            let cache = self.daemon.caches.capacity();
             (
                 ErrorKind::Limit,
                 format!(
                     "this stream needs {want} bytes of shared memory ({depth} slots × {} bytes) and the daemon's \
-                     streams already hold {total}, besides {cache} bytes of chunk cache; the daemon's memory budget \
+                     streams already hold {total}, besides {cache} bytes of caches ([cache] chunk_bytes + sample_bytes); the daemon's memory budget \
                      is {} ([limits] max_memory_bytes): use a smaller batch_size, or retry when other jobs have \
                      finished",
                     layout.slot_bytes, limits.max_memory_bytes
@@ -891,6 +1025,7 @@ impl Connection {
             limits: limits.layout(),
         };
         let counters = self.daemon.metrics.dataset(&label);
+        let cursor = self.daemon.caches.futures.register(fingerprint, sampler.clone(), open.epoch, open.step);
         let meta = StreamMeta {
             id,
             client_id: self.id,
@@ -900,6 +1035,7 @@ impl Connection {
             world_size: open.world_size,
             counters,
             rescan: opened.rescan,
+            cursor: Some(cursor),
         };
         let (epoch, step) = (open.epoch, open.step);
         let dataset = (source, sampler, generation);

@@ -146,6 +146,8 @@ pub struct StreamMeta {
     /// production stops at the end of an epoch instead of running into the
     /// next, whose files are only known once `set_epoch` rescanned them.
     pub rescan: bool,
+    /// Where the stream is, for the caches' eviction plan (`None`: untracked).
+    pub cursor: Option<Arc<crate::cache::Cursor>>,
 }
 
 /// The shared memory of a stream, made by the server within its budgets.
@@ -565,6 +567,9 @@ impl Stream {
             // Under the state lock and with the generation bump below: fills
             // of the old list still running are discarded when they finish.
             let old = std::mem::replace(&mut *self.source.write().unwrap_or_else(|e| e.into_inner()), source);
+            if let Some(cursor) = &self.meta.cursor {
+                cursor.set_sampler(sampler.clone());
+            }
             *self.sampler.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(sampler);
             self.meta.counters.observe_skips(&old);
             st.scanned = (epoch, generation);
@@ -754,6 +759,9 @@ impl Stream {
     /// discarded fill still holds the slot (its completion frees the slot
     /// and fills again).
     fn spawn_fill(self: &Arc<Self>, st: &mut State, id: usize, epoch: u64, step: u64) -> bool {
+        if let Some(cursor) = &self.meta.cursor {
+            cursor.set(epoch, step);
+        }
         let rows = self.sampler().rows(step);
         let (ring, index) = self.ring_of(st, id);
         let Some(writer) = ring.writer(index, 0..rows) else {
@@ -1095,6 +1103,7 @@ mod tests {
             world_size: 1,
             counters: Default::default(),
             rescan: false,
+            cursor: None,
         };
         let sampler = Sampler::new(samples, 0, 1, batch, false, 0, false);
         Stream::start(meta, source, sampler, shm, pool, epoch, step)
@@ -1521,6 +1530,7 @@ mod tests {
             world_size: 1,
             counters: Default::default(),
             rescan: true,
+            cursor: None,
         };
         let was = Generation { fingerprint: 1, files: 1, samples: 8 };
         let sampler = Sampler::new(8, 0, 1, 2, false, 0, false);

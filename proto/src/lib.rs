@@ -18,14 +18,15 @@ pub use layout::{
     LayoutError, LayoutLimits, RING_HEADER_BYTES, RING_LAYOUT_VERSION, RING_MAGIC, Ragged, SLOT_ALIGN,
 };
 pub use message::{
-    BatchReady, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, DatasetSkips, DatasetStatus, ErrorKind,
-    FieldTransforms, Generation, Hdf5Sampling, LmdbDataset, LmdbFieldDef, OpenStream, PairDef, Request, Rescan, Response, StatusReport,
+    BatchReady, CacheDatasetStatus, CacheReport, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, DatasetSkips,
+    DatasetStatus, ErrorKind, FieldTransforms, Generation, Hdf5Sampling, LmdbDataset, LmdbFieldDef, OpenStream, PairDef,
+    Request, Rescan, Response, StatusReport,
     StreamInfo, StreamStatus, TransformDef, WorkerStatus,
 };
 pub use steps::{step_from_json, step_names};
 
 /// Version of the wire protocol; bumped on any incompatible change.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// Socket path used when neither `--socket`, `$STOKER_SOCKET` nor a config says otherwise.
 pub const DEFAULT_SOCKET: &str = "/run/stoker/stoker.sock";

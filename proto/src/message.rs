@@ -76,6 +76,15 @@ pub enum Request {
         /// Slot id (at least the ring's depth).
         slot: u32,
     },
+    /// The caches' contents per dataset (`stoker cache ls`); answered by [`Response::CacheList`].
+    CacheList,
+    /// Drops the cache entries of a dataset (a config name or an ad-hoc
+    /// label as `stoker cache ls` shows it), or of every dataset with `None`
+    /// (the daemon's own user and root only); answered by [`Response::CacheDropped`].
+    CacheDrop {
+        /// The dataset, or `None` for all.
+        dataset: Option<String>,
+    },
 }
 
 /// Which dataset to serve, and how.
@@ -437,6 +446,51 @@ pub enum Response {
         /// Where fields lie in it (one slot, at [`BatchLayout::slot_offset`] 0).
         layout: BatchLayout,
     },
+    /// Reply to [`Request::CacheList`].
+    CacheList(CacheReport),
+    /// Reply to [`Request::CacheDrop`].
+    CacheDropped {
+        /// Entries dropped.
+        entries: u64,
+        /// Bytes freed.
+        bytes: u64,
+    },
+}
+
+/// The caches, per dataset.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CacheReport {
+    /// Eviction policy of both caches (`"belady"` or `"lru"`).
+    pub policy: String,
+    /// Decompressed HDF5 chunks, in total.
+    pub chunks: CacheStatus,
+    /// Decoded samples, in total.
+    pub samples: CacheStatus,
+    /// Streams whose future reads eviction plans over.
+    pub streams: u64,
+    /// Per dataset and cache.
+    pub datasets: Vec<CacheDatasetStatus>,
+}
+
+/// One dataset's share of one cache.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CacheDatasetStatus {
+    /// Config name or ad-hoc label; `"(other users' datasets)"` sums what the asker may not see.
+    pub dataset: String,
+    /// `"chunks"` (decompressed HDF5 chunks) or `"samples"` (decoded values).
+    pub cache: String,
+    /// Bytes held.
+    pub bytes: u64,
+    /// Entries held.
+    pub entries: u64,
+    /// Lookups that hit.
+    pub hits: u64,
+    /// Lookups that missed.
+    pub misses: u64,
+    /// Entries evicted to make room.
+    pub evictions: u64,
+    /// Entries offered but not admitted (read later than everything held).
+    pub rejected: u64,
 }
 
 /// Category of an [`Response::Error`].
@@ -532,6 +586,8 @@ pub struct StatusReport {
     pub streams: Vec<StreamStatus>,
     /// The node-wide cache of decoded HDF5 chunks.
     pub chunk_cache: CacheStatus,
+    /// The node-wide cache of decoded samples.
+    pub sample_cache: CacheStatus,
     /// Open datasets that substituted bad samples (`on_error = "skip"`).
     pub skipped: Vec<DatasetSkips>,
     /// Datasets the daemon holds open (those no stream uses close after `[limits] idle_close_s`).
@@ -594,6 +650,8 @@ pub struct CacheStatus {
     pub hits: u64,
     /// Lookups that missed.
     pub misses: u64,
+    /// Entries evicted to make room.
+    pub evictions: u64,
 }
 
 /// One connected client.

@@ -38,6 +38,7 @@ use stoker_proto::DType;
 
 use super::{FieldOut, FieldSpec, LmdbReadError, SampleRef, Source, SourceError};
 use crate::codec::{AlignedBuf, ArrayInfo, ByteOrder, Codec, CodecError, Format, Wrap};
+use crate::cache::{CacheCtx, Decoded, Key, Uses};
 use crate::transform::{self, ArrayRef, Chain, Pair, SampleKey, Step, TransformError};
 
 mod guard;
@@ -169,6 +170,8 @@ pub struct LmdbSource {
     skipped: AtomicU64,
     logged: Mutex<HashSet<u64>>,
     workers: Mutex<Vec<Worker>>,
+    /// The sample cache, and this dataset's fingerprint.
+    cache: Option<CacheCtx>,
 }
 
 impl fmt::Debug for LmdbSource {
@@ -396,7 +399,26 @@ impl LmdbSource {
             skipped: AtomicU64::new(0),
             logged: Mutex::new(HashSet::new()),
             workers: Mutex::new(Vec::new()),
+            cache: None,
         })
+    }
+
+    /// Keeps decoded values of costly fields (images, compressed values) in
+    /// the daemon's sample cache. Cheap ones (raw and `.npy` values, read
+    /// from the page cache at memory speed) are never cached.
+    pub fn with_cache(mut self, cache: CacheCtx) -> LmdbSource {
+        self.cache = cache.caches.samples.enabled().then_some(cache);
+        self
+    }
+
+    /// The cache and key for field `i`'s value of sample `index`, when the field is worth caching.
+    fn cache_slot(&self, i: usize, index: u64) -> Option<(&CacheCtx, Key)> {
+        let cache = self.cache.as_ref()?;
+        let plan = &self.plans[i];
+        let costly = matches!(plan.codec.format, Format::Png | Format::Jpeg) || plan.codec.wrap != Wrap::None;
+        // The field's decode spec is in the dataset fingerprint (its codec,
+        // mode and transforms); the field's position names it within.
+        costly.then(|| (cache, Key { space: crate::cache::fingerprint(&(cache.dataset, i)), item: index }))
     }
 
     /// Delivered shape of each field; `None` marks a dimension that varies by sample.
@@ -522,6 +544,16 @@ impl LmdbSource {
         let env = &self.envs[plan.env];
         let err = |message: String| read_error(&env.path, key, &plan.name, &plan.codec, sample.index, message);
         let Worker { value, scratch, decoded, transform, shapes } = worker;
+        let cached = self.cache_slot(i, sample.index);
+        let hit = match (cached, &*out) {
+            (Some((cache, key)), out) if !matches!(out, LmdbOut::Skip) || plan.has_followers => {
+                cache.caches.samples.get(&key, cache.dataset)
+            }
+            _ => None,
+        };
+        if let Some(hit) = &hit {
+            return self.serve_cached(plan, i, hit, key_of(sample), shapes, transform, out, &err);
+        }
         let txn = &txns[plan.env];
         let found = txn
             .get(key)
@@ -551,16 +583,27 @@ impl LmdbSource {
             _ => err(e.to_string()),
         };
 
+        let offer = |info: &ArrayInfo, bytes: &[u8]| {
+            if let Some((cache, key)) = cached {
+                let uses = Uses::one(cache.dataset, sample.index);
+                if cache.caches.samples.wants(bytes.len(), &uses) {
+                    let entry = Arc::new(Decoded::copy_of(info, bytes));
+                    cache.caches.samples.insert(key, entry, bytes.len(), uses);
+                }
+            }
+        };
         let Some(chain) = &plan.chain else {
             let info = match out {
                 LmdbOut::Fixed(dst) => {
                     let layout =
                         plan.decoded.as_ref().expect("a fixed field without transforms has a fixed decoded layout");
                     plan.codec.decode_into(value, layout, dst, scratch).map_err(codec_err)?;
+                    offer(layout, dst);
                     layout.clone()
                 }
                 LmdbOut::Variable { bytes, shape } => {
                     let info = plan.codec.decode(value, *bytes, scratch, self.max_value_bytes).map_err(codec_err)?;
+                    offer(&info, bytes);
                     shape.clone_from(&info.shape);
                     info
                 }
@@ -569,6 +612,7 @@ impl LmdbSource {
                     let n = fits(plan, &info.shape, info.dtype, data.len(), self.max_value_bytes)
                         .map_err(|f| f.into_error(i, &err))?;
                     plan.codec.decode_into(value, &info, &mut data[..n], scratch).map_err(codec_err)?;
+                    offer(&info, &data[..n]);
                     shape.copy_from_slice(&info.shape);
                     info
                 }
@@ -595,15 +639,78 @@ impl LmdbSource {
             _ => plan.codec.decode(value, decoded, scratch, self.max_value_bytes),
         }
         .map_err(codec_err)?;
+        offer(&info, decoded.as_slice());
+        self.transform_into(plan, i, &info, decoded.as_slice(), key_of(sample), shapes, transform, out, &err)
+    }
+
+    /// Serves field `i` from a cached decoded value: copied as is, or through the field's chain.
+    #[allow(clippy::too_many_arguments)]
+    fn serve_cached(
+        &self,
+        plan: &FieldPlan,
+        i: usize,
+        hit: &Decoded,
+        key: SampleKey,
+        shapes: &mut [Option<Vec<u64>>],
+        transform: &mut transform::Scratch,
+        out: &mut LmdbOut<'_>,
+        err: &dyn Fn(String) -> SourceError,
+    ) -> Result<(), SourceError> {
+        let (info, bytes) = (&hit.info, hit.data.as_slice());
+        if plan.chain.is_some() && !matches!(out, LmdbOut::Skip) {
+            return self.transform_into(plan, i, info, bytes, key, shapes, transform, out, err);
+        }
+        match out {
+            LmdbOut::Fixed(dst) => {
+                if plan.decoded.as_ref() != Some(info) || dst.len() != bytes.len() {
+                    return Err(err(format!("cached value is {info}, but the field was laid out as {:?}", plan.decoded)));
+                }
+                dst.copy_from_slice(bytes);
+            }
+            LmdbOut::Variable { bytes: dst, shape } => {
+                dst.clear();
+                dst.extend_from_slice(bytes);
+                shape.clone_from(&info.shape);
+            }
+            LmdbOut::Ragged { data, shape } => {
+                let n = fits(plan, &info.shape, info.dtype, data.len(), self.max_value_bytes)
+                    .map_err(|f| f.into_error(i, err))?;
+                data[..n].copy_from_slice(&bytes[..n]);
+                shape.copy_from_slice(&info.shape);
+            }
+            LmdbOut::Skip => {}
+        }
+        shapes[i] = Some(info.shape.clone());
+        Ok(())
+    }
+
+    /// Applies field `i`'s chain to its decoded value and writes the result into `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn transform_into(
+        &self,
+        plan: &FieldPlan,
+        i: usize,
+        info: &ArrayInfo,
+        decoded: &[u8],
+        key: SampleKey,
+        shapes: &mut [Option<Vec<u64>>],
+        transform: &mut transform::Scratch,
+        out: &mut LmdbOut<'_>,
+        err: &dyn Fn(String) -> SourceError,
+    ) -> Result<(), SourceError> {
+        let chain = plan.chain.as_ref().expect("called for fields with a chain");
+        if let LmdbOut::Skip = out {
+            shapes[i] = Some(info.shape.clone());
+            return Ok(());
+        }
         let leader_shape = plan.leader.and_then(|l| shapes[l].as_deref());
         let known: Vec<Option<u64>> = info.shape.iter().map(|&d| Some(d)).collect();
         let (out_dtype, out_shape) = chain.output(info.dtype, &known).map_err(|e| err(e.to_string()))?;
         let out_shape: Vec<u64> = out_shape.into_iter().map(|d| d.expect("known input, known output")).collect();
-        let key = SampleKey { seed: sample.seed, epoch: sample.epoch, index: sample.index };
         let apply = |dst: &mut [u8], transform: &mut transform::Scratch| {
             chain
                 .apply(
-                    ArrayRef { bytes: decoded.as_slice(), dtype: info.dtype, shape: &info.shape },
+                    ArrayRef { bytes: decoded, dtype: info.dtype, shape: &info.shape },
                     key,
                     leader_shape,
                     transform,
@@ -630,15 +737,20 @@ impl LmdbSource {
             }
             LmdbOut::Ragged { data, shape } => {
                 let n = fits(plan, &out_shape, out_dtype, data.len(), self.max_value_bytes)
-                    .map_err(|f| f.into_error(i, &err))?;
+                    .map_err(|f| f.into_error(i, err))?;
                 apply(&mut data[..n], transform)?;
                 shape.copy_from_slice(&out_shape);
             }
             LmdbOut::Skip => unreachable!("left-out fields return above"),
         }
-        shapes[i] = Some(info.shape);
+        shapes[i] = Some(info.shape.clone());
         Ok(())
     }
+}
+
+/// What a sample's randomized transform steps are keyed by.
+fn key_of(sample: SampleRef) -> SampleKey {
+    SampleKey { seed: sample.seed, epoch: sample.epoch, index: sample.index }
 }
 
 /// The size a chain's first step resizes to, when that step is an

@@ -28,7 +28,7 @@ use hdf5::datatype::ByteOrder;
 use hdf5_sys::h5::{haddr_t, hsize_t};
 use stoker_proto::DType;
 
-use crate::cache::{ChunkCache, ChunkKey};
+use crate::cache::{CacheCtx, Key, NEVER, Uses};
 use crate::filter::{self, FilterSpec};
 
 /// How a field's bytes are found.
@@ -95,8 +95,18 @@ pub(crate) struct FieldReader {
     /// Native in-memory type for `H5Dread`.
     mem_type: hdf5::Datatype,
     pub(crate) layout: Layout,
-    /// Identifies this field of this file in the chunk cache.
+    /// Identifies this field of this file in the chunk cache (a [`crate::cache::space_id`]).
     cache_id: u64,
+}
+
+/// The chunk cache, and which samples a chunk read for this block serves.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ChunkUse<'a> {
+    /// The caches and the dataset's fingerprint.
+    pub ctx: &'a CacheCtx,
+    /// `(first sample index of the file's item 0, samples per item)`; `None`
+    /// for a field every sample reads (a constant).
+    pub items: Option<(u64, u64)>,
 }
 
 impl FieldReader {
@@ -149,7 +159,7 @@ impl FieldReader {
     pub(crate) fn read_block(
         &self,
         file: &File,
-        cache: &ChunkCache,
+        cache: &ChunkUse<'_>,
         start: &[u64],
         count: &[u64],
         dst: &mut [u8],
@@ -183,7 +193,7 @@ impl FieldReader {
         &self,
         c: &Chunked,
         file: &File,
-        cache: &ChunkCache,
+        cache: &ChunkUse<'_>,
         start: &[u64],
         count: &[u64],
         dst: &mut [u8],
@@ -241,12 +251,13 @@ impl FieldReader {
         &self,
         c: &Chunked,
         file: &File,
-        cache: &ChunkCache,
+        cache: &ChunkUse<'_>,
         linear: u64,
         chunk_start: &[u64],
     ) -> Result<Option<Arc<Vec<u8>>>, String> {
-        let key = ChunkKey { field: self.cache_id, chunk: linear };
-        if let Some(hit) = cache.get(&key) {
+        let chunks = &cache.ctx.caches.chunks;
+        let key = Key { space: self.cache_id, item: linear };
+        if let Some(hit) = chunks.get(&key, cache.ctx.dataset) {
             return Ok(Some(hit));
         }
         let loc = self.location(c, linear, chunk_start)?;
@@ -258,7 +269,19 @@ impl FieldReader {
         filter::decode_chunk(&c.filters, loc.filter_mask, &stored, self.elem, c.chunk_bytes, &mut out)
             .map_err(|e| format!("{}: {e}; the file may be corrupt (h5py/h5dump will fail on it too)", what()))?;
         let decoded = Arc::new(out);
-        cache.insert(key, decoded.clone());
+        // The samples that read this chunk: those of the items it spans (every
+        // sample, for a constant field).
+        let uses = match cache.items {
+            Some((base, windows)) => {
+                let first = chunk_start.first().copied().unwrap_or(0);
+                let end = (first + c.chunk.first().copied().unwrap_or(1)).min(self.dims.first().copied().unwrap_or(1));
+                let at = |item: u64| base.saturating_add(item.saturating_mul(windows));
+                Uses { dataset: cache.ctx.dataset, lo: at(first), hi: at(end) }
+            }
+            None => Uses { dataset: cache.ctx.dataset, lo: 0, hi: NEVER },
+        };
+        let bytes = decoded.len();
+        chunks.insert(key, decoded.clone(), bytes, uses);
         Ok(Some(decoded))
     }
 

@@ -32,7 +32,8 @@ use stoker_proto::{DType, Hdf5Sampling};
 
 use self::field::FieldReader;
 use super::{FieldOut, FieldSpec, SampleRef, Source, SourceError};
-use crate::cache::ChunkCache;
+use crate::cache::CacheCtx;
+use field::ChunkUse;
 use crate::fsaccess::{self, FileId, Want};
 
 /// A window along axis 1: samples are `size` consecutive steps, `stride` apart.
@@ -300,7 +301,7 @@ pub struct Hdf5Source {
     files: Vec<Arc<Hdf5File>>,
     /// `starts[k]` is the global index of file k's first sample; one extra entry holds the total.
     starts: Vec<u64>,
-    cache: Arc<ChunkCache>,
+    cache: CacheCtx,
     limit: Arc<OpenFiles>,
 }
 
@@ -319,7 +320,7 @@ impl Hdf5Source {
     pub fn open(
         spec: &Hdf5Spec,
         opened: Vec<fsaccess::Checked>,
-        cache: Arc<ChunkCache>,
+        cache: CacheCtx,
         limit: Arc<OpenFiles>,
     ) -> Result<Hdf5Source, SourceError> {
         let pattern = &spec.files;
@@ -337,7 +338,9 @@ impl Hdf5Source {
         let mut slow: Vec<String> = Vec::new();
         let mut big_chunks: Vec<(String, usize)> = Vec::new();
         for checked in opened {
-            let cache_ids: Vec<u64> = spec.fields.iter().map(|_| cache.new_id()).collect();
+            // Chunks are keyed by what they are: this file's identity and the field's HDF5 path.
+            let cache_ids: Vec<u64> =
+                spec.fields.iter().map(|(_, h5path)| crate::cache::space_id(&checked.id, h5path, &())).collect();
             let raw = fsaccess::reopen_same(&checked.canonical, checked.root.as_deref(), &checked.id)
                 .map_err(|message| SourceError::Changed { path: checked.path.clone(), message })?;
             // libhdf5 shares one open of a file (by device and inode) among its
@@ -404,7 +407,7 @@ impl Hdf5Source {
         if !slow.is_empty() {
             tracing::info!(dataset = %pattern, fields = %slow.join(", "), "reading through libhdf5, under its global lock");
         }
-        let capacity = cache.stats().capacity;
+        let capacity = cache.caches.chunks.capacity() as u64;
         for (field, chunk_bytes) in big_chunks {
             if chunk_bytes as u64 > capacity {
                 tracing::warn!(
@@ -501,12 +504,19 @@ impl Source for Hdf5Source {
             };
             let mut start = vec![0u64; reader.dims.len()];
             let mut count = reader.dims.clone();
+            let cache = ChunkUse {
+                ctx: &self.cache,
+                items: match self.roles[f] {
+                    Role::Constant => None,
+                    _ => Some((self.starts[file_idx], file.windows)),
+                },
+            };
             match self.roles[f] {
-                Role::Constant => reader.read_block(&handle.raw, &self.cache, &start, &count, dst.data),
+                Role::Constant => reader.read_block(&handle.raw, &cache, &start, &count, dst.data),
                 Role::Item => {
                     start[0] = item;
                     count[0] = 1;
-                    reader.read_block(&handle.raw, &self.cache, &start, &count, dst.data)
+                    reader.read_block(&handle.raw, &cache, &start, &count, dst.data)
                 }
                 Role::Steps { from, count: steps } => {
                     start[0] = item;
@@ -516,7 +526,7 @@ impl Source for Hdf5Source {
                     if dt == 1 || steps <= 1 {
                         start[1] = step(0);
                         count[1] = steps;
-                        reader.read_block(&handle.raw, &self.cache, &start, &count, dst.data)
+                        reader.read_block(&handle.raw, &cache, &start, &count, dst.data)
                     } else {
                         count[1] = 1;
                         let step_bytes = dst.data.len() / steps as usize;
@@ -525,7 +535,7 @@ impl Source for Hdf5Source {
                         }
                         dst.data.chunks_exact_mut(step_bytes).zip(0..).try_for_each(|(part, k)| {
                             start[1] = step(k);
-                            reader.read_block(&handle.raw, &self.cache, &start, &count, part)
+                            reader.read_block(&handle.raw, &cache, &start, &count, part)
                         })
                     }
                 }

@@ -1,0 +1,222 @@
+"""The node-wide caches end to end: decoded LMDB images and decompressed HDF5
+chunks, kept by a real daemon under `[cache] policy = "belady"` or `"lru"`,
+shared by clients and jobs, bounded in bytes, observable and controllable
+with `stoker cache ls | warm | drop`.
+
+Every test compares served values with the reference readers (Pillow for
+PNGs, h5py for HDF5) or with a daemon whose caches are off, byte for byte:
+a cache may change speed, never values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any, Callable
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import stoker_bin
+from lmdb_data import key, npy_bytes, photo, png_of, write_env
+
+N_IMAGES = 96
+IMAGE_BYTES = 24 * 20 * 3
+
+
+def png_env(tmp_path: Path, n: int = N_IMAGES) -> tuple[Path, Path, list[np.ndarray]]:
+    """An environment of `n` RGB PNGs (24×20) and one of their indices."""
+    images = [photo(24, 20, 3, seed=i) for i in range(n)]
+    imgs = write_env(tmp_path / "img.lmdb", {key(i): png_of(im) for i, im in enumerate(images)})
+    idx = write_env(tmp_path / "idx.lmdb", {key(i): npy_bytes(np.int64(i)) for i in range(n)})
+    return imgs, idx, images
+
+
+def cache_config(sample_bytes: int, chunk_bytes: int = 1 << 20, policy: str = "belady") -> str:
+    return f"\n[cache]\nsample_bytes = {sample_bytes}\nchunk_bytes = {chunk_bytes}\npolicy = {json.dumps(policy)}\n"
+
+
+def cache_ls(d: Any) -> dict[str, Any]:
+    return json.loads(d.cli("cache", "ls", "--json").stdout)
+
+
+def sample_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in report["datasets"] if r["cache"] == "samples"]
+
+
+def epoch_rows(loader: Any, epoch: int, fields: tuple[str, ...]) -> dict[int, dict[str, np.ndarray]]:
+    """`{index: {field: value}}` of one epoch, copied out of shared memory."""
+    loader.set_epoch(epoch)
+    out: dict[int, dict[str, np.ndarray]] = {}
+    for batch in loader:
+        for j, i in enumerate(np.asarray(batch["idx"]).tolist()):
+            assert i not in out, f"epoch {epoch}: sample {i} served twice"
+            out[i] = {f: np.array(batch[f][j]) for f in fields}
+    return out
+
+
+@pytest.mark.parametrize("policy", ["belady", "lru"])
+def test_cached_images_equal_pillow_across_epochs_and_ranks_within_the_bound(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path, policy: str
+) -> None:
+    imgs, idx, images = png_env(tmp_path)
+    bound = IMAGE_BYTES * N_IMAGES // 3  # a third of the decoded data
+    d = start_daemon(extra=cache_config(bound, policy=policy))
+    spec = stoker.lmdb({"img": imgs, "idx": idx}, fields={"img": "png", "idx": "npy"})
+    loaders = [
+        stoker.Loader(spec, batch_size=8, seed=5, rank=r, world_size=2, socket=d.socket) for r in range(2)
+    ]
+    for epoch in range(3):
+        seen: dict[int, int] = {}
+        for loader in loaders:
+            for i, row in epoch_rows(loader, epoch, ("img",)).items():
+                np.testing.assert_array_equal(row["img"], images[i], err_msg=f"{policy} epoch {epoch} sample {i}")
+                seen[i] = seen.get(i, 0) + 1
+        assert sorted(seen) == list(range(N_IMAGES)) and set(seen.values()) == {1}
+        report = cache_ls(d)
+        assert report["policy"] == policy
+        assert 0 < report["samples"]["bytes"] <= bound, report["samples"]
+    rows = sample_rows(cache_ls(d))
+    assert len(rows) == 1 and rows[0]["hits"] > 0, rows
+    # The npy index field is cheap to read again: never cached.
+    assert rows[0]["entries"] <= bound // IMAGE_BYTES
+
+
+def test_random_crops_from_cached_images_equal_an_uncached_daemon(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Images are cached decoded, before random steps: each epoch still crops and flips afresh."""
+    imgs, idx, _ = png_env(tmp_path)
+    transforms = {"img": [{"random_crop": (16, 12)}, "hflip"]}
+    spec = stoker.lmdb({"img": imgs, "idx": idx}, fields={"img": "png", "idx": "npy"}, transforms=transforms)
+    cached = start_daemon(extra=cache_config(IMAGE_BYTES * N_IMAGES // 2))
+    plain = start_daemon(extra=cache_config(0))
+    a = stoker.Loader(spec, batch_size=16, seed=3, socket=cached.socket)
+    b = stoker.Loader(spec, batch_size=16, seed=3, socket=plain.socket)
+    crops = []
+    for epoch in range(3):
+        got, want = epoch_rows(a, epoch, ("img",)), epoch_rows(b, epoch, ("img",))
+        assert got.keys() == want.keys()
+        for i in got:
+            np.testing.assert_array_equal(got[i]["img"], want[i]["img"], err_msg=f"epoch {epoch} sample {i}")
+        crops.append(got[0]["img"])
+    assert any(not np.array_equal(crops[0], c) for c in crops[1:]), "random crops must differ across epochs"
+    assert sample_rows(cache_ls(cached))[0]["hits"] > 0
+    assert cache_ls(plain)["samples"]["entries"] == 0
+
+
+def test_a_second_job_starts_warm_and_warm_drop_work(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    imgs, idx, images = png_env(tmp_path)
+    toml = (
+        "\n[datasets.photos]\nformat = \"lmdb\"\n"
+        f"fields = [{{ name = \"img\", env = {json.dumps(str(imgs))}, codec = \"png\" }}, "
+        f"{{ name = \"idx\", env = {json.dumps(str(idx))}, codec = \"npy\" }}]\n"
+    )
+    d = start_daemon(extra=cache_config(IMAGE_BYTES * N_IMAGES * 2) + toml)
+    # `stoker cache warm` fills the cache ahead of any job.
+    res = d.cli("cache", "warm", "photos", "--json")
+    warm = json.loads(res.stdout)
+    assert warm["samples"] == N_IMAGES and warm["entries"] == N_IMAGES, warm
+    before = sample_rows(cache_ls(d))[0]
+    # A job (its own client, its own seed) then finds every image cached in its first epoch.
+    loader = stoker.Loader("photos", batch_size=8, seed=11, socket=d.socket)
+    for i, row in epoch_rows(loader, 0, ("img",)).items():
+        np.testing.assert_array_equal(row["img"], images[i])
+    loader.close()
+    after = sample_rows(cache_ls(d))[0]
+    # (At least: the stream reads ahead into the next epoch before it closes.)
+    assert after["hits"] - before["hits"] >= N_IMAGES, (before, after)
+    assert after["misses"] == before["misses"], (before, after)
+    # A second job with another seed: hits again, still exact.
+    second = stoker.Loader("photos", batch_size=8, seed=12, socket=d.socket)
+    for i, row in epoch_rows(second, 0, ("img",)).items():
+        np.testing.assert_array_equal(row["img"], images[i])
+    assert sample_rows(cache_ls(d))[0]["hits"] - after["hits"] >= N_IMAGES
+    assert sample_rows(cache_ls(d))[0]["misses"] == before["misses"]
+    second.close()
+    # `stoker cache ls` (table) names the dataset; `drop` empties it.
+    table = d.cli("cache", "ls").stdout
+    assert "photos" in table and "belady" in table, table
+    dropped = json.loads(d.cli("cache", "drop", "photos", "--json").stdout)
+    assert dropped["entries"] == N_IMAGES and dropped["bytes"] == N_IMAGES * IMAGE_BYTES, dropped
+    assert cache_ls(d)["samples"]["bytes"] == 0
+    unknown = d.cli("cache", "drop", "no-such-dataset", check=False)
+    assert unknown.returncode != 0 and "stoker cache ls" in unknown.stderr, unknown.stderr
+    d.cli("cache", "warm", "photos")
+    assert cache_ls(d)["samples"]["entries"] == N_IMAGES
+    everything = json.loads(d.cli("cache", "drop", "--all", "--json").stdout)
+    assert everything["entries"] == N_IMAGES
+    status = d.status()
+    assert status["sample_cache"]["entries"] == 0 and status["sample_cache"]["capacity"] == IMAGE_BYTES * N_IMAGES * 2
+
+
+def gzip_h5(path: Path, rows: int, seed: int) -> np.ndarray:
+    data = np.random.default_rng(seed).integers(0, 1000, size=(rows, 32), dtype=np.int32)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=data, chunks=(16, 32), compression="gzip")
+        f.create_dataset("idx", data=np.arange(rows, dtype=np.int64))
+    return data
+
+
+@pytest.mark.parametrize("policy", ["belady", "lru"])
+def test_chunk_cache_policies_serve_h5py_exactly_within_the_bound(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path, policy: str
+) -> None:
+    data = gzip_h5(tmp_path / "a.h5", 512, 1)
+    chunk = 16 * 32 * 4
+    bound = chunk * 8  # a quarter of the chunks
+    d = start_daemon(extra=cache_config(0, chunk_bytes=bound, policy=policy))
+    spec = stoker.hdf5(str(tmp_path / "a.h5"), fields={"x": "/x", "idx": "/idx"})
+    loaders = [stoker.Loader(spec, batch_size=16, seed=2, rank=r, world_size=2, socket=d.socket) for r in range(2)]
+    for epoch in range(2):
+        covered = set()
+        for loader in loaders:
+            for i, row in epoch_rows(loader, epoch, ("x",)).items():
+                np.testing.assert_array_equal(row["x"], data[i])
+                covered.add(i)
+        assert covered == set(range(512))
+        chunks = cache_ls(d)["chunks"]
+        assert 0 < chunks["bytes"] <= bound and chunks["evictions"] > 0, chunks
+
+
+def test_a_rewritten_file_is_never_served_from_the_cache(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Cache entries are keyed by file identity (device, inode, size, mtime): new bytes, new entries."""
+    path = tmp_path / "a.h5"
+    old = gzip_h5(path, 64, 1)
+    d = start_daemon(extra=cache_config(1 << 20, chunk_bytes=1 << 20))
+    spec = stoker.hdf5(str(path), fields={"x": "/x", "idx": "/idx"})
+    first = stoker.Loader(spec, batch_size=16, shuffle=False, socket=d.socket)
+    for i, row in epoch_rows(first, 0, ("x",)).items():
+        np.testing.assert_array_equal(row["x"], old[i])
+    first.close()
+    assert cache_ls(d)["chunks"]["entries"] == 4
+    # Rewritten in place (same inode; the daemon still holds it open): new values, a new mtime.
+    st = os.stat(path)
+    new = gzip_h5(tmp_path / "b.h5", 64, 2)
+    path.write_bytes((tmp_path / "b.h5").read_bytes())
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert os.stat(path).st_ino == st.st_ino
+    second = stoker.Loader(spec, batch_size=16, shuffle=False, socket=d.socket)
+    for i, row in epoch_rows(second, 0, ("x",)).items():
+        np.testing.assert_array_equal(row["x"], new[i], err_msg=f"row {i} served from the old file")
+    second.close()
+
+
+def test_config_refuses_caches_that_leave_no_memory(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(
+        "[limits]\nmax_memory_bytes = 1000000\n[cache]\nchunk_bytes = 400000\nsample_bytes = 700000\n"
+        "policy = \"belady\"\n"
+    )
+    res = subprocess.run([str(stoker_bin()), "validate", "--skip-files", str(config)], capture_output=True, text=True)
+    assert res.returncode != 0 and "sample_bytes" in res.stdout + res.stderr, res
+    config.write_text("[cache]\npolicy = \"fifo\"\n")
+    res = subprocess.run([str(stoker_bin()), "validate", "--skip-files", str(config)], capture_output=True, text=True)
+    assert res.returncode != 0 and "belady" in res.stdout + res.stderr, res
