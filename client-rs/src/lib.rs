@@ -25,7 +25,8 @@ use std::time::{Duration, Instant};
 
 pub use stoker_proto as proto;
 use stoker_proto::{
-    BatchLayout, DType, DatasetInfo, ErrorKind, FieldLayout, Generation, OpenStream, Request, Response, StatusReport, StreamInfo,
+    BatchLayout, DType, DatasetInfo, ErrorKind, FieldLayout, Generation, OpenStream, Request, Response, StatusReport,
+    StreamInfo,
 };
 
 use conn::Conn;

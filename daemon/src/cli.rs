@@ -302,10 +302,11 @@ fn cache(action: CacheAction) -> anyhow::Result<ExitCode> {
             stream.close()?;
             let after = client.cache_list()?;
             let held = |r: &stoker_proto::CacheReport| {
-                r.datasets.iter().filter(|d| d.dataset == dataset).map(|d| (d.bytes, d.entries)).fold(
-                    (0, 0),
-                    |(b, e), (db, de)| (b + db, e + de),
-                )
+                r.datasets
+                    .iter()
+                    .filter(|d| d.dataset == dataset)
+                    .map(|d| (d.bytes, d.entries))
+                    .fold((0, 0), |(b, e), (db, de)| (b + db, e + de))
             };
             let ((b0, _), (b1, e1)) = (held(&before), held(&after));
             let seconds = started.elapsed().as_secs_f64();
@@ -364,7 +365,11 @@ pub fn format_cache(r: &stoker_proto::CacheReport) -> String {
             d.rejected.to_string(),
         ]
     });
-    table(&mut out, &["DATASET", "CACHE", "BYTES", "ENTRIES", "HIT RATE", "HITS", "MISSES", "EVICTED", "REFUSED"], rows);
+    table(
+        &mut out,
+        &["DATASET", "CACHE", "BYTES", "ENTRIES", "HIT RATE", "HITS", "MISSES", "EVICTED", "REFUSED"],
+        rows,
+    );
     out
 }
 

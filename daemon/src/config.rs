@@ -578,9 +578,10 @@ impl Config {
         if limits.max_memory_bytes == 0 {
             limits.max_memory_bytes = physical_memory().map_or(u64::MAX, |bytes| bytes / 2);
         }
-        let sample_bytes = self.cache.sample_bytes.unwrap_or_else(|| {
-            (1u64 << 30).min(limits.max_memory_bytes.saturating_sub(self.cache.chunk_bytes) / 4)
-        });
+        let sample_bytes = self
+            .cache
+            .sample_bytes
+            .unwrap_or_else(|| (1u64 << 30).min(limits.max_memory_bytes.saturating_sub(self.cache.chunk_bytes) / 4));
         if self.cache.chunk_bytes.saturating_add(sample_bytes) >= limits.max_memory_bytes {
             let key = if sample_bytes > self.cache.chunk_bytes { "sample_bytes" } else { "chunk_bytes" };
             problem(
@@ -931,7 +932,9 @@ mod tests {
         }
         let cfg = Config::parse(&uncommented, path).unwrap();
         let names: Vec<_> = cfg.datasets.keys().cloned().collect();
-        assert_eq!(names, ["div2k", "imagenet", "shear_flow", "shear_flow_split", "train"]);
+        assert_eq!(names, ["div2k", "imagenet", "replay", "shear_flow", "shear_flow_split", "train"]);
+        let Some(DatasetConfig::Hdf5(replay)) = cfg.datasets.get("replay") else { panic!("replay is HDF5") };
+        assert_eq!(replay.rescan, stoker_proto::Rescan::Epoch);
         cfg.validate(path).unwrap();
     }
 

@@ -188,10 +188,8 @@ impl Datasets {
         };
         let source: Arc<dyn Source> = match (resolved, files) {
             (Resolved::Hdf5(spec, chains), Files::Hdf5(files)) => {
-                let source: Arc<dyn Source> = Arc::new(
-                    Hdf5Source::open(&spec, files, cache, self.open_files.clone())
-                        .map_err(refuse)?,
-                );
+                let source: Arc<dyn Source> =
+                    Arc::new(Hdf5Source::open(&spec, files, cache, self.open_files.clone()).map_err(refuse)?);
                 if chains.is_empty() {
                     source
                 } else {

@@ -401,7 +401,14 @@ impl Collector for Snapshot {
         single(e, "stoker_chunk_cache_entries", "Chunks held", None, Gauge, Int(c.entries))?;
         single(e, "stoker_chunk_cache_evictions", "Chunks evicted to make room", None, Counter, Int(c.evictions))?;
         let c = &self.sample_cache;
-        single(e, "stoker_sample_cache_hits", "Sample cache lookups that found their value", None, Counter, Int(c.hits))?;
+        single(
+            e,
+            "stoker_sample_cache_hits",
+            "Sample cache lookups that found their value",
+            None,
+            Counter,
+            Int(c.hits),
+        )?;
         single(e, "stoker_sample_cache_misses", "Sample cache lookups that did not", None, Counter, Int(c.misses))?;
         single(e, "stoker_sample_cache", "Decoded sample bytes held", Some(&Unit::Bytes), Gauge, Int(c.bytes))?;
         single(

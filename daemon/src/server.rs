@@ -1086,9 +1086,10 @@ impl Connection {
         epoch: u64,
     ) -> Reply<(Arc<dyn crate::source::Source>, Sampler, stoker_proto::Generation)> {
         let label = &stream.meta().dataset;
-        let opened = self.open_dataset(open).await.map_err(|(kind, message)| {
-            (kind, format!("rescanning dataset {label} for epoch {epoch}: {message}"))
-        })?;
+        let opened = self
+            .open_dataset(open)
+            .await
+            .map_err(|(kind, message)| (kind, format!("rescanning dataset {label} for epoch {epoch}: {message}")))?;
         let was = stream.source();
         let decls = |s: &Arc<dyn crate::source::Source>| s.fields().iter().map(|f| f.decl()).collect::<Vec<_>>();
         if decls(&opened.source) != decls(&was) {

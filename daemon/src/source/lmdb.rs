@@ -37,8 +37,8 @@ use regex::bytes::Regex;
 use stoker_proto::DType;
 
 use super::{FieldOut, FieldSpec, LmdbReadError, SampleRef, Source, SourceError};
-use crate::codec::{AlignedBuf, ArrayInfo, ByteOrder, Codec, CodecError, Format, Wrap};
 use crate::cache::{CacheCtx, Decoded, Key, Uses};
+use crate::codec::{AlignedBuf, ArrayInfo, ByteOrder, Codec, CodecError, Format, Wrap};
 use crate::transform::{self, ArrayRef, Chain, Pair, SampleKey, Step, TransformError};
 
 mod guard;
@@ -663,7 +663,10 @@ impl LmdbSource {
         match out {
             LmdbOut::Fixed(dst) => {
                 if plan.decoded.as_ref() != Some(info) || dst.len() != bytes.len() {
-                    return Err(err(format!("cached value is {info}, but the field was laid out as {:?}", plan.decoded)));
+                    return Err(err(format!(
+                        "cached value is {info}, but the field was laid out as {:?}",
+                        plan.decoded
+                    )));
                 }
                 dst.copy_from_slice(bytes);
             }

@@ -33,8 +33,8 @@ use stoker_proto::{DType, Hdf5Sampling};
 use self::field::FieldReader;
 use super::{FieldOut, FieldSpec, SampleRef, Source, SourceError};
 use crate::cache::CacheCtx;
-use field::ChunkUse;
 use crate::fsaccess::{self, FileId, Want};
+use field::ChunkUse;
 
 /// A window along axis 1: samples are `size` consecutive steps, `stride` apart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
