@@ -247,3 +247,30 @@ def test_lmdb_keys_added_between_epochs_appear_with_rescan(start_daemon, stoker,
     assert grow.state_dict()["dataset_samples"] == 16
     # Without rescan the key list is the one listed at open.
     assert len(fixed) == 3
+
+
+def test_a_rescanned_file_with_other_fields_is_refused_naming_them(start_daemon, stoker, tmp_path) -> None:
+    root = tmp_path / "grow"
+    root.mkdir()
+    write_part(root / "a.h5", 8, 0)
+    daemon = start_daemon()
+    loader = stoker.Loader(spec(stoker, root, rescan="epoch"), batch_size=4, seed=0, socket=daemon.socket)
+    assert sorted(run_epoch([loader], 0, root)) == list(range(8))
+    with h5py.File(root / "b.h5", "w") as f:
+        f.create_dataset("data/x", data=np.zeros((4, 5, 3), dtype=np.float32))
+        f.create_dataset("y", data=np.zeros(4, dtype=np.uint8))
+        f.create_dataset("label", data=np.arange(100, 104, dtype=">i8"))
+    with pytest.raises(stoker.DatasetError) as err:
+        loader.set_epoch(1)
+    message = str(err.value)
+    assert "epoch 1" in message and "b.h5" in message and "[5, 3]" in message, message
+    # Files that agree with each other but not with the stream's layout.
+    (root / "a.h5").unlink()
+    with pytest.raises(stoker.DatasetError) as err:
+        loader.set_epoch(1)
+    message = str(err.value)
+    assert "same fields" in message and "epoch 1" in message and "[5, 3]" in message, message
+    # Once the odd file is gone, the epoch goes on over the files that fit.
+    (root / "b.h5").unlink()
+    write_part(root / "c.h5", 8, 200)
+    assert sorted(run_epoch([loader], 1, root)) == list(range(200, 208))
