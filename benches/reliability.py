@@ -156,7 +156,7 @@ def fuzz(binary: str, work: Path, connections: int) -> dict:
     data = work / "fuzz" / "d.h5"
     write_h5(data, 256)
     rng = random.Random(7)
-    hello = b"\x00\x05\x04fuzz\x00"  # Hello, protocol 5, client "fuzz", no job
+    hello = b"\x00\x06\x04fuzz\x00"  # Hello, protocol 6, client "fuzz", no job
     with Daemon(binary, work / "fuzz-daemon", work, threads=2, depth=4) as d:
         import socket
 

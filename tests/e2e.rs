@@ -102,6 +102,7 @@ fn open(batch_size: u64, rank: u64, world_size: u64, shuffle: bool) -> OpenStrea
         world_size,
         epoch: 0,
         step: 0,
+        block: None,
     }
 }
 
@@ -275,6 +276,8 @@ fn fuzzed_requests_never_take_the_daemon_down() {
                         world_size: d,
                         epoch: e,
                         step: f,
+                        // Hostile block arguments, too: refused or served, never a panic.
+                        block: (kind == 0).then_some(stoker_client::proto::BlockShuffle { block_size: a, window: b }),
                     };
                     match raw_exchange(&mut sock, &encode_frame(&Request::OpenStream(open)).unwrap()) {
                         Some(Response::StreamOpened(info)) => Some(info.stream),
@@ -299,6 +302,9 @@ fn fuzzed_requests_never_take_the_daemon_down() {
             let _ = raw_exchange(&mut sock, &encode_frame(&Request::Next { stream: d }).unwrap());
             let _ = raw_exchange(&mut sock, &encode_frame(&Request::Fetch { stream: d, seq: a as u32 }).unwrap());
             let _ = raw_exchange(&mut sock, &encode_frame(&Request::Segment { stream: d, slot: b as u32 }).unwrap());
+            let _ = raw_exchange(&mut sock, &encode_frame(&Request::CacheList).unwrap());
+            let label = (a % 3 == 0).then(|| format!("{d:x}"));
+            let _ = raw_exchange(&mut sock, &encode_frame(&Request::CacheDrop { dataset: label }).unwrap());
             let exited = child.borrow_mut().try_wait().unwrap();
             prop_assert!(exited.is_none(), "the daemon died: {exited:?}");
             Ok(())

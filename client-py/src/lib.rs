@@ -14,7 +14,7 @@ use numpy::npyffi::{self, NPY_TYPES, PY_ARRAY_API, npy_intp};
 use pyo3::import_exception;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
-use stoker_client::proto::{DType, DatasetRef, ErrorKind, OpenStream, Rescan};
+use stoker_client::proto::{BlockShuffle, DType, DatasetRef, ErrorKind, OpenStream, Rescan};
 use stoker_client::{Batch, Client, ClientError, Stream};
 
 // The classes live in Python (`stoker/_errors.py`): each subclasses both
@@ -161,8 +161,9 @@ fn dataset_ref(spec: &Bound<'_, PyTuple>) -> PyResult<DatasetRef> {
 #[pymethods]
 impl NativeStream {
     /// Connects to the daemon at `socket` and opens a stream.
+    /// `block`: `(block_size, window)` for the locality order (with `shuffle`).
     #[new]
-    #[pyo3(signature = (socket, dataset, batch_size, shuffle, seed, drop_last, rank, world_size, epoch, step, timeout=None))]
+    #[pyo3(signature = (socket, dataset, batch_size, shuffle, seed, drop_last, rank, world_size, epoch, step, timeout=None, block=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -177,6 +178,7 @@ impl NativeStream {
         epoch: u64,
         step: u64,
         timeout: Option<f64>,
+        block: Option<(u64, u64)>,
     ) -> PyResult<NativeStream> {
         let open = OpenStream {
             dataset: dataset_ref(dataset)?,
@@ -188,6 +190,7 @@ impl NativeStream {
             world_size,
             epoch,
             step,
+            block: block.map(|(block_size, window)| BlockShuffle { block_size, window }),
         };
         let stream = wait(py, timeout, |interrupted| {
             Client::connect_interruptible(&socket, interrupted)?.open_stream_interruptible(open, interrupted)

@@ -201,6 +201,7 @@ class Daemon:
         args: tuple[str, ...] = (),
         env: Mapping[str, str] | None = None,
         command: list[str] | None = None,
+        pass_fds: tuple[int, ...] = (),
     ) -> None:
         """`command` (default: the stoker binary) `serve --config ... --socket ... *args`, with `env`."""
         self.workdir = workdir
@@ -216,6 +217,7 @@ class Daemon:
             stderr=self._stderr,
             env=None if env is None else dict(env),
             preexec_fn=_die_with_parent,
+            pass_fds=pass_fds,
         )
         self._wait_ready()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -220,3 +221,88 @@ def test_config_refuses_caches_that_leave_no_memory(tmp_path: Path) -> None:
     config.write_text("[cache]\npolicy = \"fifo\"\n")
     res = subprocess.run([str(stoker_bin()), "validate", "--skip-files", str(config)], capture_output=True, text=True)
     assert res.returncode != 0 and "belady" in res.stdout + res.stderr, res
+
+
+def recv_notifications(sock: Any) -> list[tuple[str, list[int]]]:
+    """Every sd_notify datagram waiting on `sock`: its text and the fds it carried."""
+    import array
+    import socket as socketlib
+
+    out = []
+    while True:
+        try:
+            msg, anc, _, _ = sock.recvmsg(4096, socketlib.CMSG_SPACE(16 * 4), socketlib.MSG_DONTWAIT)
+        except BlockingIOError:
+            return out
+        fds = array.array("i")
+        for level, kind, data in anc:
+            if level == socketlib.SOL_SOCKET and kind == socketlib.SCM_RIGHTS:
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+        out.append((msg.decode(), list(fds)))
+
+
+def test_caches_survive_a_restart_through_systemds_fd_store(
+    stoker: Any, tmp_path: Path, short_tmp: Path
+) -> None:
+    """systemd's protocol, played by the test: `$NOTIFY_SOCKET` receives
+    FDSTORE=1 with the memfd at a clean stop; the next daemon gets it as
+    `LISTEN_FDS` named `stoker-cache`, restores the caches and says FDSTOREREMOVE=1."""
+    import socket as socketlib
+
+    from conftest import Daemon, make_config
+
+    imgs, idx, images = png_env(tmp_path)
+    notify_path = str(short_tmp / "notify")
+    listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_DGRAM)
+    listener.bind(notify_path)
+    env = {**os.environ, "NOTIFY_SOCKET": notify_path, "FDSTORE": "4"}
+    config = make_config("unused", allowed_roots=[tmp_path], extra=cache_config(IMAGE_BYTES * N_IMAGES * 2))
+    spec = stoker.lmdb({"img": imgs, "idx": idx}, fields={"img": "png", "idx": "npy"})
+    (short_tmp / "a").mkdir()
+    first = Daemon(short_tmp / "a", config, env=env)
+    try:
+        loader = stoker.Loader(spec, batch_size=8, seed=1, socket=first.socket)
+        epoch_rows(loader, 0, ("img",))
+        loader.close()
+        held = cache_ls(first)["samples"]
+        assert held["entries"] == N_IMAGES
+        assert first.terminate() == 0
+    finally:
+        first.stop()
+    notes = recv_notifications(listener)
+    stored = [fds for text, fds in notes if "FDSTORE=1" in text and "FDNAME=stoker-cache" in text]
+    assert len(stored) == 1 and len(stored[0]) == 1, notes
+    (fd,) = stored[0]
+    assert "caches handed to systemd's fd store" in first.stderr()
+
+    # The next start of the unit: the stored fd comes back as fd 3.
+    wrapper = [
+        sys.executable,
+        "-c",
+        "import os, sys\n"
+        f"os.dup2({fd}, 3)\n"
+        f"os.close({fd})\n"
+        "os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS='1', LISTEN_FDNAMES='stoker-cache')\n"
+        "os.execv(sys.argv[1], sys.argv[1:])\n",
+        str(stoker_bin()),
+    ]
+    (short_tmp / "b").mkdir()
+    second = Daemon(short_tmp / "b", config, env=env, command=wrapper, pass_fds=(fd,))
+    os.close(fd)
+    try:
+        assert "caches restored from systemd's fd store" in second.stderr()
+        report = cache_ls(second)
+        assert report["samples"]["entries"] == N_IMAGES and report["samples"]["bytes"] == held["bytes"], report
+        assert len(sample_rows(report)) == 1, report  # labels come back too
+        # A job on the restarted daemon starts warm, and exact.
+        again = stoker.Loader(spec, batch_size=8, seed=2, socket=second.socket)
+        for i, row in epoch_rows(again, 0, ("img",)).items():
+            np.testing.assert_array_equal(row["img"], images[i])
+        again.close()
+        rows = sample_rows(cache_ls(second))
+        assert rows[0]["misses"] == 0 and rows[0]["hits"] >= N_IMAGES, rows
+        removed = [t for t, _ in recv_notifications(listener) if "FDSTOREREMOVE=1" in t]
+        assert removed and "FDNAME=stoker-cache" in removed[0], removed
+    finally:
+        second.stop()
+        listener.close()

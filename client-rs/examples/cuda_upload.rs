@@ -37,6 +37,7 @@ fn main() {
         world_size: 1,
         epoch: 0,
         step: 0,
+        block: None,
     };
     let stream = client.open_stream(open).unwrap_or_else(|e| {
         eprintln!("cuda_upload: {e}");

@@ -29,7 +29,9 @@ use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
 
-use crate::sampler::{Permutation, Sampler};
+use crate::sampler::{Order, Sampler};
+
+pub mod snapshot;
 
 /// Resident entries sampled per eviction.
 pub const CANDIDATES: usize = 32;
@@ -37,6 +39,10 @@ pub const CANDIDATES: usize = 32;
 /// Indices of a multi-sample entry (a chunk) looked at for its next use; a
 /// longer range is looked at this many evenly spaced points.
 const MAX_PROBES: u64 = 128;
+
+/// Datasets whose labels and counters are kept (each is a few dozen bytes;
+/// clients opening ever new datasets must not grow them without bound).
+const MAX_TRACKED: usize = 65_536;
 
 /// Next use of an entry no registered stream reads within its horizon.
 pub const NEVER: u64 = u64::MAX;
@@ -119,7 +125,7 @@ struct CursorState {
     /// The rank-local sample position being produced.
     position: u64,
     /// Permutations of `epoch` and `epoch + 1`, built once per epoch.
-    perms: [Option<Permutation>; 2],
+    perms: [Option<Order>; 2],
 }
 
 impl Cursor {
@@ -144,10 +150,10 @@ impl Cursor {
     /// epoch and the next; [`NEVER`] beyond.
     fn distance(st: &CursorState, index: u64) -> u64 {
         let s = &st.sampler;
-        if let Some(q) = s.local_position(st.perms[0].as_ref(), index) {
-            if q >= st.position {
-                return q - st.position;
-            }
+        if let Some(q) = s.local_position(st.perms[0].as_ref(), index)
+            && q >= st.position
+        {
+            return q - st.position;
         }
         match s.local_position(st.perms[1].as_ref(), index) {
             Some(q) => s.per_rank().saturating_sub(st.position).saturating_add(q),
@@ -185,8 +191,16 @@ impl Futures {
 
     /// Names a dataset fingerprint (the config name, or the pattern), for `stoker cache ls`.
     pub fn label(&self, dataset: u64, label: &str) {
+        let live: std::collections::HashSet<u64> = {
+            let cursors = self.cursors.read().unwrap_or_else(PoisonError::into_inner);
+            cursors.iter().filter_map(Weak::upgrade).map(|c| c.dataset).collect()
+        };
         let mut labels = self.labels.write().unwrap_or_else(PoisonError::into_inner);
-        if labels.len() < 65_536 || labels.contains_key(&dataset) {
+        if labels.len() >= MAX_TRACKED && !labels.contains_key(&dataset) {
+            // Datasets opened over a long life: forget those no stream reads now.
+            labels.retain(|d, _| live.contains(d));
+        }
+        if labels.len() < MAX_TRACKED || labels.contains_key(&dataset) {
             labels.insert(dataset, label.to_owned());
         }
     }
@@ -416,6 +430,10 @@ impl<V> Cache<V> {
             }
             None => None,
         };
+        if inner.datasets.len() >= MAX_TRACKED && !inner.datasets.contains_key(&dataset) {
+            // Counters of datasets with nothing cached go first.
+            inner.datasets.retain(|_, c| c.entries > 0);
+        }
         let counters = inner.datasets.entry(dataset).or_default();
         if hit.is_some() {
             counters.hits += 1;
@@ -481,7 +499,6 @@ impl<V> Cache<V> {
                 return false;
             }
             self.remove_at(&mut inner, victim);
-            inner.datasets.entry(uses.dataset).or_default();
             self.evictions.fetch_add(1, Ordering::Relaxed);
         }
         inner.tick += 1;
@@ -553,6 +570,11 @@ impl<V> Cache<V> {
             }
         }
         (entries, bytes)
+    }
+
+    /// Every entry (its key, value and uses), for [`Caches::export`].
+    pub fn snapshot(&self) -> Vec<(Key, Arc<V>, Uses)> {
+        self.lock().entries.iter().map(|e| (e.key, e.value.clone(), e.uses)).collect()
     }
 
     /// Per-dataset counters.

@@ -269,6 +269,7 @@ fn cache(action: CacheAction) -> anyhow::Result<ExitCode> {
                 dataset: stoker_proto::DatasetRef::Named(dataset.clone()),
                 batch_size,
                 shuffle: false,
+                block: None,
                 seed: 0,
                 drop_last: false,
                 rank: 0,
@@ -491,6 +492,8 @@ fn serve(
     let reload_path = config.map(Path::to_owned);
     let settings = load(cfg)?;
     raise_nofile_limit();
+    // Taken before any thread starts: adopting them unsets LISTEN_* variables.
+    let inherited = crate::fsaccess::listen_fds();
     let socket = settings.socket.clone();
     let runtime =
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("stoker-io").enable_all().build()?;
@@ -501,6 +504,7 @@ fn serve(
             None => None,
         };
         let daemon = crate::server::Daemon::new(settings)?;
+        restore_caches(daemon.caches(), inherited);
         if let Some(metrics) = metrics {
             let daemon = daemon.clone();
             tokio::spawn(crate::metrics::serve(metrics, move || daemon.metrics_text()));
@@ -516,7 +520,10 @@ fn serve(
             let settings = load(cfg)?;
             Ok(reloader.reload(settings))
         }));
-        crate::server::run(daemon, listener, socket, shutdown_signal()).await
+        let caches = daemon.caches().clone();
+        let result = crate::server::run(daemon, listener, socket, shutdown_signal()).await;
+        store_caches(&caches);
+        result
     });
     notify(&[NotifyState::Status("stopped")]);
     // Opens stuck in the kernel (a hung network filesystem) hold blocking-pool
@@ -525,6 +532,61 @@ fn serve(
     result?;
     tracing::info!("stopped");
     Ok(ExitCode::SUCCESS)
+}
+
+/// Loads the caches a previous daemon of this unit left in systemd's fd
+/// store, then asks systemd to drop its copy (the memory is freed once
+/// loaded). Anything else passed in is closed.
+fn restore_caches(caches: &crate::cache::Caches, inherited: Vec<(std::os::fd::OwnedFd, String)>) {
+    use crate::cache::snapshot::FD_NAME;
+    for (fd, name) in inherited {
+        if name != FD_NAME {
+            tracing::warn!(name = %name, "ignoring a file descriptor passed by systemd");
+            continue;
+        }
+        let started = std::time::Instant::now();
+        match caches.import(fd) {
+            Ok(c) => tracing::info!(
+                entries = c.entries,
+                bytes = c.bytes,
+                seconds = started.elapsed().as_secs_f64(),
+                "caches restored from systemd's fd store"
+            ),
+            Err(e) => tracing::warn!(error = %e, "cannot restore the caches from systemd's fd store: starting cold"),
+        }
+        notify(&[NotifyState::FdStoreRemove, NotifyState::FdName(FD_NAME)]);
+    }
+}
+
+/// At a clean stop under systemd with an fd store (`FileDescriptorStoreMax=`
+/// ≥ 1, which sets `$FDSTORE`), hands the caches to systemd in a sealed
+/// memfd so the next daemon of the unit (a restart or upgrade of the same
+/// version) starts warm.
+fn store_caches(caches: &crate::cache::Caches) {
+    use crate::cache::snapshot::FD_NAME;
+    let wanted = std::env::var("FDSTORE").ok().and_then(|n| n.parse::<u64>().ok()).is_some_and(|n| n > 0);
+    if !wanted || std::env::var_os("NOTIFY_SOCKET").is_none() {
+        return;
+    }
+    let started = std::time::Instant::now();
+    match caches.export() {
+        Ok((fd, c)) if c.entries > 0 => {
+            use std::os::fd::AsFd;
+            let sent =
+                sd_notify::notify_with_fds(false, &[NotifyState::FdStore, NotifyState::FdName(FD_NAME)], &[fd.as_fd()]);
+            match sent {
+                Ok(()) => tracing::info!(
+                    entries = c.entries,
+                    bytes = c.bytes,
+                    seconds = started.elapsed().as_secs_f64(),
+                    "caches handed to systemd's fd store for the next start"
+                ),
+                Err(e) => tracing::warn!(error = %e, "cannot hand the caches to systemd's fd store"),
+            }
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "cannot write the caches for systemd's fd store"),
+    }
 }
 
 /// Installs the log subscriber: `filter` (else `$STOKER_LOG`, else

@@ -424,6 +424,21 @@ fn reopen(path: &Path, opath: OwnedFd, want: Want, rights: bool) -> Result<(File
     Ok((file, false))
 }
 
+/// The descriptors systemd passed this process (`LISTEN_FDS`, checked
+/// against `LISTEN_PID`), with their names (`LISTEN_FDNAMES`), owned; the
+/// variables are unset so children do not see them. Call once, at start.
+pub fn listen_fds() -> Vec<(OwnedFd, String)> {
+    let Ok(fds) = sd_notify::listen_fds_with_names(true) else { return Vec::new() };
+    fds.map(|(fd, name)| {
+        // SAFETY: systemd opened these descriptors for this process (sd_notify
+        // checked LISTEN_PID) and nothing else in it owns them: they are
+        // adopted once, here, and the variables naming them are unset.
+        let owned = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        (owned, name)
+    })
+    .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -28,7 +28,7 @@ use crate::cache::Caches;
 use crate::config::Settings;
 use crate::dataset::Datasets;
 use crate::ring::{ControlPage, Ring};
-use crate::sampler::Sampler;
+use crate::sampler::{Sampler, Shuffle};
 use crate::stream::{Budget, Fetched, Shm, Stream, StreamMeta};
 
 /// An error reply: kind plus a message for the user.
@@ -126,6 +126,11 @@ impl Daemon {
             memory,
             load,
         }))
+    }
+
+    /// The node-wide caches.
+    pub fn caches(&self) -> &Arc<Caches> {
+        &self.caches
     }
 
     /// The settings in force (replaced as a whole by [`Daemon::reload`]).
@@ -964,7 +969,7 @@ impl Connection {
         let opened = self.open_dataset(&open).await?;
         let (label, source, generation) = (opened.label, opened.source, opened.generation);
         let fingerprint = opened.fingerprint;
-        let sampler = sampler_for(&open, source.len());
+        let sampler = sampler_for(&open, &label, source.len())?;
         if open.step > sampler.batches_per_epoch() {
             return Err((
                 ErrorKind::Protocol,
@@ -1050,6 +1055,7 @@ impl Connection {
             dataset = %stream.meta().dataset,
             rank = open.rank,
             world = open.world_size,
+            order = ?stream.sampler().shuffle(),
             uid = self.uid,
             pid = self.pid,
             job = self.job.as_deref().unwrap_or("-"),
@@ -1127,7 +1133,7 @@ impl Connection {
                 "dataset rescanned: its files changed"
             );
         }
-        Ok((opened.source, sampler_for(open, samples), generation))
+        Ok((opened.source, sampler_for(open, label, samples)?, generation))
     }
 
     /// Sends `StreamOpened` with the ring's and the control page's memfds.
@@ -1179,9 +1185,18 @@ fn send_part(sock: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> std::io
     Ok(n)
 }
 
-/// The sampler of a stream opened as `open`, over `samples` samples (`≥ 1`).
-fn sampler_for(open: &OpenStream, samples: u64) -> Sampler {
-    Sampler::new(samples, open.rank, open.world_size, open.batch_size, open.shuffle, open.seed, open.drop_last)
+/// The sampler of a stream opened as `open`, over `samples` samples (`≥ 1`)
+/// of dataset `label`: at open, and again for each rescanned epoch.
+fn sampler_for(open: &OpenStream, label: &str, samples: u64) -> Reply<Sampler> {
+    let shuffle = match (open.shuffle, open.block) {
+        (shuffle, None) => Shuffle::from(shuffle),
+        (true, Some(b)) => Shuffle::Block { block_size: b.block_size, window: b.window },
+        (false, Some(_)) => {
+            return Err((ErrorKind::Protocol, "a block order needs shuffle; send block: None without it".into()));
+        }
+    };
+    shuffle.check(samples).map_err(|e| (ErrorKind::Protocol, format!("dataset {label}: {e}")))?;
+    Ok(Sampler::new(samples, open.rank, open.world_size, open.batch_size, shuffle, open.seed, open.drop_last))
 }
 
 fn no_stream(stream: u64) -> Response {

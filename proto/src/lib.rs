@@ -17,6 +17,7 @@ pub use layout::{
     BatchLayout, DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_SAMPLE_BYTES, DType, FIELD_ALIGN, FieldDecl, FieldLayout,
     LayoutError, LayoutLimits, RING_HEADER_BYTES, RING_LAYOUT_VERSION, RING_MAGIC, Ragged, SLOT_ALIGN,
 };
+pub use message::BlockShuffle;
 pub use message::{
     BatchReady, CacheDatasetStatus, CacheReport, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, DatasetSkips,
     DatasetStatus, ErrorKind, FieldTransforms, Generation, Hdf5Sampling, LmdbDataset, LmdbFieldDef, OpenStream,

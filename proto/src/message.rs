@@ -108,6 +108,21 @@ pub struct OpenStream {
     pub epoch: u64,
     /// Batch of that epoch to start at.
     pub step: u64,
+    /// With `shuffle`, the locality order instead of the exact permutation
+    /// (`shuffle="block"`); `None` for the exact one. Refused without `shuffle`.
+    pub block: Option<BlockShuffle>,
+}
+
+/// The locality order's parameters (`shuffle="block"`): blocks of
+/// `block_size` consecutive indices are permuted, then samples are permuted
+/// within windows of `window` consecutive blocks. Both at least 1; the daemon
+/// checks their bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockShuffle {
+    /// Consecutive dataset indices per block.
+    pub block_size: u64,
+    /// Consecutive (permuted) blocks whose samples are mixed together.
+    pub window: u64,
 }
 
 /// A dataset named in the daemon's config or described ad hoc by the client.
@@ -748,6 +763,7 @@ mod fuzz {
             world_size,
             epoch,
             step,
+            block: Some(BlockShuffle { block_size: batch_size, window: step }),
         })
     }
 

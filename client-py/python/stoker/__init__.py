@@ -416,6 +416,44 @@ def _log_rank_choice(rank: int, world: int, source: str) -> None:
 
 _OUTPUTS = ("numpy", "torch")
 
+#: Bounds of ``block_size`` and ``block_window`` (the daemon checks them again).
+MAX_BLOCK_SIZE = 1 << 32
+MAX_BLOCK_WINDOW = 1 << 32
+#: ``block_window`` when ``shuffle="block"`` is given without one.
+DEFAULT_BLOCK_WINDOW = 8
+
+
+def _block_order(
+    shuffle: Any, block_size: Optional[int], block_window: Optional[int]
+) -> Tuple[Union[bool, str], Optional[int], Optional[int]]:
+    """Checks ``shuffle``/``block_size``/``block_window``: ``(shuffle, block_size, block_window)``,
+    the last two ``None`` unless ``shuffle == "block"``."""
+    if isinstance(shuffle, str):
+        if shuffle != "block":
+            raise ValueError(f"shuffle must be True, False or 'block', not {shuffle!r}")
+    else:
+        if block_size is not None or block_window is not None:
+            raise ValueError(
+                "block_size and block_window choose the locality order: pass shuffle='block' with them"
+            )
+        return bool(shuffle), None, None
+    if block_size is None:
+        raise ValueError(
+            "shuffle='block' needs block_size: consecutive samples per block, e.g. the HDF5 chunk's rows"
+        )
+    if block_window is None:
+        block_window = DEFAULT_BLOCK_WINDOW
+
+    def count(name: str, value: Any, most: int) -> int:
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            raise ValueError(f"{name} must be an integer, not {value!r}")
+        value = int(value.__index__())
+        if not 1 <= value <= most:
+            raise ValueError(f"{name} must be between 1 and {most}, not {value}")
+        return value
+
+    return "block", count("block_size", block_size, MAX_BLOCK_SIZE), count("block_window", block_window, MAX_BLOCK_WINDOW)
+
 #: Every Loader with an open stream in this process (for the fork handler).
 _open_loaders: "weakref.WeakSet[Loader]" = weakref.WeakSet()
 #: Streams a forked child inherited from its parent, kept alive for good: the
@@ -453,7 +491,7 @@ class _EpochSampler:
 
     @property
     def shuffle(self) -> bool:
-        return self._loader.shuffle
+        return bool(self._loader.shuffle)
 
     @property
     def seed(self) -> int:
@@ -492,6 +530,14 @@ class Loader:
     :attr:`rank_source` says which, and it is logged once at INFO on the
     ``"stoker"`` logger.
 
+    ``shuffle="block"`` chooses the locality order for data bigger than
+    memory: blocks of ``block_size`` consecutive samples are permuted, then
+    samples are permuted within windows of ``block_window`` consecutive blocks
+    (8 by default); still deterministic in ``(seed, epoch)`` and split across
+    ranks exactly as above. It trades randomness for locality: see
+    ``docs/python.md``. ``block_size`` and ``block_window`` are integers from
+    1 to 2**32, given only with ``shuffle="block"`` (else ``ValueError``).
+
     ``socket`` defaults to ``$STOKER_SOCKET``, else the daemon's default
     socket. ``timeout`` (seconds, like DataLoader's) bounds each wait for the
     daemon and raises :class:`Timeout`; by default a wait lasts as long as it
@@ -524,7 +570,7 @@ class Loader:
         self,
         dataset: Union[str, Hdf5Spec, LmdbSpec],
         batch_size: int,
-        shuffle: bool = True,
+        shuffle: Union[bool, str] = True,
         seed: int = 0,
         drop_last: bool = False,
         rank: Optional[int] = None,
@@ -534,7 +580,11 @@ class Loader:
         reconnect: float = 60.0,
         output: str = "numpy",
         device: Optional[Any] = None,
+        block_size: Optional[int] = None,
+        block_window: Optional[int] = None,
     ) -> None:
+        #: ``True``, ``False`` or ``"block"``; the block parameters are ``None`` unless ``"block"``.
+        self.shuffle, self.block_size, self.block_window = _block_order(shuffle, block_size, block_window)
         if isinstance(dataset, str):
             wire = ("name", dataset)
         elif isinstance(dataset, (Hdf5Spec, LmdbSpec)):
@@ -552,7 +602,6 @@ class Loader:
         self.rank, self.world_size, self.rank_source = _rank_world(rank, world_size)
         _log_rank_choice(self.rank, self.world_size, self.rank_source)
         self.batch_size = int(batch_size)
-        self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
         self.socket = os.fspath(socket) if socket is not None else os.environ.get(SOCKET_ENV, DEFAULT_SOCKET)
@@ -581,9 +630,12 @@ class Loader:
         self._uploader: Optional[_cuda.Uploader] = None
 
     def _open(self, epoch: int, step: int) -> _NativeStream:
+        block = None
+        if self.shuffle == "block":
+            block = (getattr(self, "block_size", None), getattr(self, "block_window", None))
         return _NativeStream(
-            self.socket, self._wire, self.batch_size, self.shuffle, self.seed, self.drop_last,
-            self.rank, self.world_size, epoch, step, self.timeout,
+            self.socket, self._wire, self.batch_size, bool(self.shuffle), self.seed, self.drop_last,
+            self.rank, self.world_size, epoch, step, self.timeout, block,
         )
 
     def _native(self) -> _NativeStream:
@@ -707,7 +759,8 @@ class Loader:
         """Where this loader stands: load it into a new Loader to resume at the next batch.
 
         Keys: ``epoch`` and ``step`` (the next batch), the sampling
-        configuration, torchdata ``StatefulDataLoader``'s ``_num_yielded``
+        configuration (``block_size``/``block_window`` ``None`` unless
+        ``shuffle="block"``), torchdata ``StatefulDataLoader``'s ``_num_yielded``
         (batches of this epoch already delivered, equal to ``step``) and
         ``_iterator_finished``, and the dataset generation the epoch reads:
         ``dataset_generation`` (a 64-bit fingerprint of the file list with
@@ -721,6 +774,8 @@ class Loader:
             "step": self._step,
             "batch_size": self.batch_size,
             "shuffle": self.shuffle,
+            "block_size": self.block_size,
+            "block_window": self.block_window,
             "drop_last": self.drop_last,
             "rank": self.rank,
             "world_size": self.world_size,
@@ -745,7 +800,7 @@ class Loader:
         the dataset as it is now (the step capped at the epoch's end), with
         a ``RuntimeWarning``.
         """
-        for key in ("seed", "batch_size", "shuffle", "drop_last", "world_size"):
+        for key in ("seed", "batch_size", "shuffle", "block_size", "block_window", "drop_last", "world_size"):
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(
                     f"state has {key}={state[key]!r} but this loader has {getattr(self, key)!r}; "
