@@ -184,6 +184,7 @@ fn bad_dataset_names_the_file_and_field_and_the_daemon_keeps_serving() {
             per_item: vec![],
             sampling: Default::default(),
             transforms: vec![],
+            rescan: Default::default(),
         },
         ..open(4, 0, 1, false)
     };
@@ -252,6 +253,7 @@ fn fuzzed_requests_never_take_the_daemon_down() {
                         ..Default::default()
                     }),
                     transforms: vec![],
+                    rescan: Default::default(),
                 },
                 _ => DatasetRef::Named("parts".into()),
             };

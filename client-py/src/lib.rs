@@ -14,7 +14,7 @@ use numpy::npyffi::{self, NPY_TYPES, PY_ARRAY_API, npy_intp};
 use pyo3::import_exception;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
-use stoker_client::proto::{BlockShuffle, DType, DatasetRef, ErrorKind, OpenStream};
+use stoker_client::proto::{BlockShuffle, DType, DatasetRef, ErrorKind, OpenStream, Rescan};
 use stoker_client::{Batch, Client, ClientError, Stream};
 
 // The classes live in Python (`stoker/_errors.py`): each subclasses both
@@ -106,7 +106,8 @@ fn typenum(dtype: DType) -> c_int {
     t as c_int
 }
 
-/// Extracts `("name", NAME)`, `("hdf5", GLOB, [(field, path), ...], (size, stride) | None, [per_item...][, SAMPLING[, TRANSFORMS]])`
+/// Extracts `("name", NAME)`, `("hdf5", GLOB, [(field, path), ...], (size, stride) | None, [per_item...][, SAMPLING[, TRANSFORMS[, RESCAN]]])`
+/// (RESCAN: `"epoch"`, `"never"` or None)
 /// (SAMPLING: JSON of `stoker_proto::Hdf5Sampling` or None; TRANSFORMS: JSON of a list of `stoker_proto::FieldTransforms`)
 /// or `("lmdb", JSON)` (JSON of `stoker_proto::LmdbDataset`, built by `stoker.lmdb`).
 fn dataset_ref(spec: &Bound<'_, PyTuple>) -> PyResult<DatasetRef> {
@@ -133,6 +134,17 @@ fn dataset_ref(spec: &Bound<'_, PyTuple>) -> PyResult<DatasetRef> {
                     let json: String = spec.get_item(6)?.extract()?;
                     serde_json::from_str(&json)
                         .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("invalid HDF5 transforms: {e}")))?
+                }
+            },
+            rescan: match spec.len() > 7 && !spec.get_item(7)?.is_none() {
+                false => Rescan::Never,
+                true => {
+                    let name: String = spec.get_item(7)?.extract()?;
+                    serde_json::from_value(serde_json::Value::String(name.clone())).map_err(|_| {
+                        pyo3::exceptions::PyValueError::new_err(format!(
+                            "rescan must be \"epoch\" or \"never\" (or None), not {name:?}"
+                        ))
+                    })?
                 }
             },
         }),
@@ -187,14 +199,22 @@ impl NativeStream {
         Ok(NativeStream { stream, names })
     }
 
-    /// Dict with `stream`, `samples_per_rank`, `batches_per_epoch`, `depth`, `fields`.
+    /// Dict with `stream`, `samples_per_rank`, `batches_per_epoch`, `depth`,
+    /// `fields`, `rescan`, and the dataset generation (`generation`, a
+    /// 64-bit fingerprint; `files`; `samples`), the counts of the epoch the
+    /// stream was last moved to.
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let info = self.stream.info();
+        let generation = self.stream.generation();
         let d = PyDict::new(py);
         d.set_item("stream", info.stream)?;
-        d.set_item("samples_per_rank", info.num_samples)?;
-        d.set_item("batches_per_epoch", info.batches_per_epoch)?;
+        d.set_item("samples_per_rank", self.stream.num_samples())?;
+        d.set_item("batches_per_epoch", self.stream.batches_per_epoch())?;
         d.set_item("depth", info.depth)?;
+        d.set_item("rescan", info.rescan)?;
+        d.set_item("generation", generation.fingerprint)?;
+        d.set_item("files", generation.files)?;
+        d.set_item("samples", generation.samples)?;
         let fields = PyList::empty(py);
         for f in &info.layout.fields {
             fields.append((f.name.as_str(), f.dtype.numpy_name(), f.shape.clone()))?;

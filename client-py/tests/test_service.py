@@ -29,7 +29,7 @@ from conftest import poll, stoker_bin
 from lmdb_data import key, npy_bytes, write_env
 
 NOBODY = 65534
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 # --------------------------------------------------------------------------

@@ -25,7 +25,8 @@ use std::time::{Duration, Instant};
 
 pub use stoker_proto as proto;
 use stoker_proto::{
-    BatchLayout, DType, DatasetInfo, ErrorKind, FieldLayout, OpenStream, Request, Response, StatusReport, StreamInfo,
+    BatchLayout, DType, DatasetInfo, ErrorKind, FieldLayout, Generation, OpenStream, Request, Response, StatusReport,
+    StreamInfo,
 };
 
 use conn::Conn;
@@ -169,6 +170,12 @@ impl Client {
             extras: Mutex::new(HashMap::new()),
             position: Mutex::new((epoch, step)),
             pending_epoch: Mutex::new(None),
+            current: Mutex::new(Current {
+                num_samples: info.num_samples,
+                batches_per_epoch: info.batches_per_epoch,
+                generation: info.generation,
+                scanned: epoch,
+            }),
         });
         Ok(Stream { info, mapping, shared })
     }
@@ -245,6 +252,18 @@ struct Shared {
     position: Mutex<(u64, u64)>,
     /// A `SetEpoch` whose wait was cut short: sent again before the next batch.
     pending_epoch: Mutex<Option<(u64, u64)>>,
+    /// Counts of the epoch the daemon last moved to (they change with rescan).
+    current: Mutex<Current>,
+}
+
+/// What a stream's epoch reads, as the daemon last said (open or `EpochSet`).
+#[derive(Debug, Clone, Copy)]
+struct Current {
+    num_samples: u64,
+    batches_per_epoch: u64,
+    generation: Generation,
+    /// The epoch the dataset was last scanned for (rescan streams).
+    scanned: u64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -278,9 +297,25 @@ pub struct Stream {
 }
 
 impl Stream {
-    /// Stream metadata: id, sample and batch counts, layout.
+    /// Stream metadata as opened: id, sample and batch counts, layout. The
+    /// counts of a rescan stream's later epochs are [`Stream::batches_per_epoch`] and so on.
     pub fn info(&self) -> &StreamInfo {
         &self.info
+    }
+
+    /// Batches per epoch for this rank in the epoch the stream was last moved to.
+    pub fn batches_per_epoch(&self) -> u64 {
+        lock(&self.shared.current).batches_per_epoch
+    }
+
+    /// Samples per rank in the epoch the stream was last moved to.
+    pub fn num_samples(&self) -> u64 {
+        lock(&self.shared.current).num_samples
+    }
+
+    /// The dataset generation (file or key list) of the epoch the stream was last moved to.
+    pub fn generation(&self) -> Generation {
+        lock(&self.shared.current).generation
     }
 
     /// Address range `(start, len)` of this stream's ring (copy-on-write mapping).
@@ -295,18 +330,20 @@ impl Stream {
 
     /// Like [`Stream::set_epoch`], with an interrupt check as in
     /// [`Stream::next_interruptible`]. A no-op (no message) when the stream
-    /// is already there, as after an epoch ends.
+    /// is already there, as after an epoch ends, unless it rescans its
+    /// dataset and `epoch` was not scanned yet.
     pub fn set_epoch_interruptible(&self, epoch: u64, step: u64, interrupted: &mut dyn FnMut() -> bool) -> Result<()> {
         self.shared.conn.check_pid()?;
-        if lock(&self.shared.pending_epoch).is_none() && self.position() == (epoch, step) {
+        if lock(&self.shared.pending_epoch).is_none() && self.position() == (epoch, step) && !self.needs_rescan(epoch) {
             return Ok(());
         }
         // Nobody takes records while the stream moves.
         let mut consumer = lock(&self.shared.consumer);
         let req = Request::SetEpoch { stream: self.info.stream, epoch, step };
         match self.shared.conn.request(&req, interrupted) {
-            Ok(Response::EpochSet { skip_to, .. }) => {
+            Ok(Response::EpochSet { skip_to, num_samples, batches_per_epoch, generation, .. }) => {
                 consumer.skip_to(self.shared.control.control(), skip_to);
+                *lock(&self.shared.current) = Current { num_samples, batches_per_epoch, generation, scanned: epoch };
                 *lock(&self.shared.position) = (epoch, step);
                 *lock(&self.shared.pending_epoch) = None;
                 Ok(())
@@ -318,6 +355,11 @@ impl Stream {
                 Err(e)
             }
         }
+    }
+
+    /// Whether moving to `epoch` makes the daemon match a rescan dataset again.
+    fn needs_rescan(&self, epoch: u64) -> bool {
+        self.info.rescan && lock(&self.shared.current).scanned != epoch
     }
 
     /// `(epoch, step)` of the next batch this stream will deliver, counting
@@ -342,6 +384,12 @@ impl Stream {
         self.shared.conn.check_pid()?;
         let pending = *lock(&self.shared.pending_epoch);
         if let Some((epoch, step)) = pending {
+            self.set_epoch_interruptible(epoch, step, interrupted)?;
+        }
+        // A rescan stream does not produce past an epoch's end: the next
+        // epoch starts once its files are matched, which `set_epoch` asks for.
+        let (epoch, step) = self.position();
+        if self.needs_rescan(epoch) {
             self.set_epoch_interruptible(epoch, step, interrupted)?;
         }
         let control = self.shared.control.control();

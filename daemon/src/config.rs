@@ -272,6 +272,10 @@ pub struct Hdf5DatasetConfig {
     /// Field name → the two axes of its sample that spatial steps act on (default: see docs/python.md).
     #[serde(default)]
     pub spatial_axes: BTreeMap<String, [i64; 2]>,
+    /// `"epoch"`: match the glob again at each new epoch (files added join,
+    /// removed ones leave); `"never"` (default): once, when a stream opens.
+    #[serde(default)]
+    pub rescan: stoker_proto::Rescan,
 }
 
 impl Hdf5DatasetConfig {
@@ -937,7 +941,9 @@ mod tests {
         }
         let cfg = Config::parse(&uncommented, path).unwrap();
         let names: Vec<_> = cfg.datasets.keys().cloned().collect();
-        assert_eq!(names, ["div2k", "imagenet", "shear_flow", "shear_flow_split", "train"]);
+        assert_eq!(names, ["div2k", "imagenet", "replay", "shear_flow", "shear_flow_split", "train"]);
+        let Some(DatasetConfig::Hdf5(replay)) = cfg.datasets.get("replay") else { panic!("replay is HDF5") };
+        assert_eq!(replay.rescan, stoker_proto::Rescan::Epoch);
         cfg.validate(path).unwrap();
     }
 

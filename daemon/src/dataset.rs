@@ -13,7 +13,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
-use stoker_proto::{DatasetInfo, DatasetRef, DatasetStatus, ErrorKind, FieldTransforms, LmdbDataset, TransformDef};
+use stoker_proto::{
+    DatasetInfo, DatasetRef, DatasetStatus, ErrorKind, FieldTransforms, Generation, LmdbDataset, Rescan, TransformDef,
+};
 
 use crate::cache::{CacheCtx, Caches};
 use crate::codec::{Codec, Convert, RawLayout};
@@ -38,6 +40,10 @@ pub struct Opened {
     pub label: String,
     /// The source.
     pub source: Arc<dyn Source>,
+    /// Whether streams match the glob (list the keys) again at each new epoch.
+    pub rescan: bool,
+    /// Which files (keys) the source reads.
+    pub generation: Generation,
     /// Fingerprint of its description and file identities: streams of the
     /// same fingerprint read the same samples under the same indices, so the
     /// caches plan eviction over all of them.
@@ -49,6 +55,7 @@ pub struct Opened {
 struct Entry {
     opened: Opened,
     ids: Vec<FileId>,
+    generation: Generation,
     used: Instant,
     idle_since: Option<Instant>,
 }
@@ -120,7 +127,7 @@ impl Datasets {
     /// off the async threads. Ad-hoc files are opened with the client's
     /// rights; files changed since a cached source opened them are opened anew.
     pub fn open(&self, dataset: &DatasetRef, peer: &Peer) -> Result<Opened, Refusal> {
-        let (label, mut resolved) = self.resolve(dataset)?;
+        let (label, mut resolved, rescan) = self.resolve(dataset)?;
         let settings = self.settings();
         if let Resolved::Lmdb(spec) = &mut resolved {
             spec.max_value_bytes = settings.limits.max_sample_bytes;
@@ -143,6 +150,7 @@ impl Datasets {
         .map_err(refuse)?;
         let mut ids = files.ids();
         ids.extend(stats_ids);
+        let rescan = rescan == Rescan::Epoch;
         let fingerprint = crate::cache::fingerprint(&(&key, &ids));
         self.caches.futures.label(fingerprint, &label);
         let cache = CacheCtx { caches: self.caches.clone(), dataset: fingerprint };
@@ -152,8 +160,32 @@ impl Datasets {
             && entry.opened.source.poisoned().is_none()
         {
             entry.used = Instant::now();
-            return Ok(Opened { label, source: entry.opened.source.clone(), fingerprint });
+            return Ok(Opened {
+                label,
+                source: entry.opened.source.clone(),
+                rescan,
+                fingerprint,
+                generation: entry.generation,
+            });
         }
+        // HDF5: the files as matched, with their identities (and those of
+        // statistics files); LMDB: the key list (set below, once listed).
+        let mut list = Fnv::default();
+        if let Files::Hdf5(checked) = &files {
+            for file in checked {
+                list.write(file.path.as_os_str().as_encoded_bytes());
+            }
+            for id in &ids {
+                for word in [id.dev, id.ino, id.size] {
+                    list.write(&word.to_le_bytes());
+                }
+                list.write(&id.mtime_ns.to_le_bytes());
+            }
+        }
+        let file_count = match &files {
+            Files::Hdf5(checked) => checked.len() as u64,
+            Files::Lmdb(checked, _) => checked.envs.len() as u64,
+        };
         let source: Arc<dyn Source> = match (resolved, files) {
             (Resolved::Hdf5(spec, chains), Files::Hdf5(files)) => {
                 let source: Arc<dyn Source> =
@@ -168,7 +200,12 @@ impl Datasets {
                 }
             }
             (Resolved::Lmdb(spec), Files::Lmdb(checked, _)) => {
-                Arc::new(LmdbSource::open_checked(&spec, &checked).map_err(refuse)?.with_cache(cache))
+                let source = LmdbSource::open_checked(&spec, &checked).map_err(refuse)?.with_cache(cache);
+                for key in source.keys() {
+                    list.write(&(key.len() as u64).to_le_bytes());
+                    list.write(key);
+                }
+                Arc::new(source)
             }
             // `open_files` answers in the format it was asked; a mismatch is a
             // bug, and costs this open, never the daemon.
@@ -179,12 +216,13 @@ impl Datasets {
                 ));
             }
         };
-        tracing::info!(dataset = %label, samples = source.len(), "opened dataset");
-        let opened = Opened { label, source, fingerprint };
+        let generation = Generation { fingerprint: list.0, files: file_count, samples: source.len() };
+        tracing::info!(dataset = %label, samples = source.len(), files = file_count, generation = %format_args!("{:016x}", generation.fingerprint), "opened dataset");
+        let opened = Opened { label, source, fingerprint, rescan, generation };
         let mut open = self.lock();
         // A changed file replaces the old entry: streams reading the old one
         // keep it until they close (and fail if they read the changed bytes).
-        open.insert(key, Entry { opened: opened.clone(), ids, used: Instant::now(), idle_since: None });
+        open.insert(key, Entry { opened: opened.clone(), ids, generation, used: Instant::now(), idle_since: None });
         evict_idle(&mut open);
         Ok(opened)
     }
@@ -266,15 +304,15 @@ impl Datasets {
         self.open.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn resolve(&self, dataset: &DatasetRef) -> Result<(String, Resolved), Refusal> {
+    fn resolve(&self, dataset: &DatasetRef) -> Result<(String, Resolved, Rescan), Refusal> {
         let settings = self.settings();
         match dataset {
             DatasetRef::Named(name) => match settings.datasets.get(name) {
                 Some(DatasetConfig::Hdf5(ds)) => {
                     let chains = field_chains(&ds.field_transforms()).map_err(|e| (ErrorKind::Dataset, e))?;
-                    Ok((name.clone(), Resolved::Hdf5(self.hdf5_named(ds), chains)))
+                    Ok((name.clone(), Resolved::Hdf5(self.hdf5_named(ds), chains), ds.rescan))
                 }
-                Some(DatasetConfig::Lmdb(ds)) => Ok((name.clone(), Resolved::Lmdb(lmdb_spec(ds, None)?))),
+                Some(DatasetConfig::Lmdb(ds)) => Ok((name.clone(), Resolved::Lmdb(lmdb_spec(ds, None)?), ds.rescan)),
                 None => {
                     let known: Vec<_> = settings.datasets.keys().collect();
                     Err((
@@ -285,7 +323,7 @@ impl Datasets {
                     ))
                 }
             },
-            DatasetRef::Hdf5 { files, fields, window, per_item, sampling, transforms } => {
+            DatasetRef::Hdf5 { files, fields, window, per_item, sampling, transforms, rescan } => {
                 self.check_ad_hoc()?;
                 if !Path::new(files).is_absolute() {
                     return Err((ErrorKind::Dataset, format!("ad-hoc dataset path {files:?} must be absolute")));
@@ -305,12 +343,12 @@ impl Datasets {
                     sampling: sampling.as_ref().clone(),
                 };
                 let chains = field_chains(transforms).map_err(|e| (ErrorKind::Dataset, e))?;
-                Ok((files.clone(), Resolved::Hdf5(spec, chains)))
+                Ok((files.clone(), Resolved::Hdf5(spec, chains), *rescan))
             }
             DatasetRef::Lmdb(ds) => {
                 self.check_ad_hoc()?;
                 let label = ds.fields.first().map_or_else(String::new, |f| f.env.clone());
-                Ok((label, Resolved::Lmdb(lmdb_spec(ds, Some(settings.allowed_roots.clone()))?)))
+                Ok((label, Resolved::Lmdb(lmdb_spec(ds, Some(settings.allowed_roots.clone()))?), ds.rescan))
             }
         }
     }
@@ -413,6 +451,25 @@ fn open_files(resolved: &Resolved, roots: Option<&[PathBuf]>) -> Result<Files, S
                 checked.key_file = Some(key_file.file);
             }
             Ok(Files::Lmdb(checked, ids))
+        }
+    }
+}
+
+/// 64-bit FNV-1a: a dataset generation's fingerprint. Stable across builds
+/// and Rust versions (unlike `DefaultHasher`), so a loader's saved state
+/// compares with a later daemon's.
+struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Fnv {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
         }
     }
 }

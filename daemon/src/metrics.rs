@@ -184,12 +184,15 @@ impl Metrics {
             .collect();
         let counters: HashMap<&str, &Arc<DatasetCounters>> = datasets.iter().map(|(k, v)| (k.as_str(), v)).collect();
         // Every open source once (streams share them), with its dataset.
+        // A rescanned stream's source is its current one: taken once here.
+        let stream_sources: Vec<(&str, Arc<dyn Source>)> =
+            scrape.streams.iter().map(|s| (s.meta().dataset.as_str(), s.source())).collect();
         let mut sources: HashMap<*const (), (&str, &Arc<dyn Source>)> = HashMap::new();
         for (label, source) in &scrape.sources {
             sources.insert(Arc::as_ptr(source).cast(), (label.as_str(), source));
         }
-        for stream in &scrape.streams {
-            sources.insert(Arc::as_ptr(stream.source()).cast(), (stream.meta().dataset.as_str(), stream.source()));
+        for (label, source) in &stream_sources {
+            sources.insert(Arc::as_ptr(source).cast(), (label, source));
         }
         let mut open_files: BTreeMap<&str, u64> = BTreeMap::new();
         for (label, source) in sources.values() {

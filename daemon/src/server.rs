@@ -258,7 +258,7 @@ impl Daemon {
             .status()
             .into_iter()
             .filter_map(|(mut d, source)| {
-                let readers = open.iter().filter(|s| std::ptr::addr_eq(Arc::as_ptr(s.source()), Arc::as_ptr(&source)));
+                let readers = open.iter().filter(|s| std::ptr::addr_eq(Arc::as_ptr(&s.source()), Arc::as_ptr(&source)));
                 let (n, ring_bytes) = readers.fold((0u64, 0u64), |(n, b), s| (n + 1, b.saturating_add(s.shm_bytes())));
                 (d.streams, d.ring_bytes) = (n, ring_bytes);
                 (all || n > 0).then_some(d)
@@ -626,6 +626,9 @@ struct Connection {
     peer: crate::fsaccess::Peer,
     writer: OwnedWriteHalf,
     streams: HashMap<u64, Arc<Stream>>,
+    /// How each `rescan = "epoch"` stream was opened: its dataset is opened
+    /// again from this (with the client's rights) at each new epoch.
+    rescans: HashMap<u64, OpenStream>,
     greeted: bool,
     bad_releases: Throttle,
     /// Shared memory this connection's streams may hold (`[limits] max_ring_bytes_per_client`).
@@ -674,6 +677,7 @@ async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: u64, mut st
         peer: crate::fsaccess::Peer { uid, gid, pid },
         writer,
         streams: HashMap::new(),
+        rescans: HashMap::new(),
         greeted: false,
         bad_releases: Throttle::default(),
         budget: Budget::new(settings.limits.max_ring_bytes_per_client),
@@ -892,11 +896,29 @@ impl Connection {
                 }
                 return Ok(());
             }
-            Request::SetEpoch { stream, epoch, step } => match self.streams.get(&stream) {
-                Some(s) => match s.set_epoch(epoch, step) {
-                    Ok(skip_to) => Response::EpochSet { stream, skip_to },
-                    Err(message) => Response::Error { kind: ErrorKind::Protocol, message },
-                },
+            Request::SetEpoch { stream, epoch, step } => match self.streams.get(&stream).cloned() {
+                Some(s) => {
+                    let rescanned = match self.rescans.get(&stream).cloned() {
+                        Some(open) if s.needs_rescan(epoch) => match self.rescan(&s, &open, epoch).await {
+                            Ok(rescanned) => Some(rescanned),
+                            Err(e) => return self.send_error(e).await,
+                        },
+                        _ => None,
+                    };
+                    match s.set_epoch_with(epoch, step, rescanned) {
+                        Ok(skip_to) => {
+                            let sampler = s.sampler();
+                            Response::EpochSet {
+                                stream,
+                                skip_to,
+                                num_samples: sampler.per_rank(),
+                                batches_per_epoch: sampler.batches_per_epoch(),
+                                generation: s.generation(),
+                            }
+                        }
+                        Err(message) => Response::Error { kind: ErrorKind::Protocol, message },
+                    }
+                }
                 None => no_stream(stream),
             },
             Request::Status => Response::Status(self.daemon.status(self.uid, self.id)),
@@ -905,6 +927,7 @@ impl Connection {
             Request::CacheDrop { dataset } => self.daemon.cache_drop(self.uid, dataset.as_deref()),
             Request::Close { stream } => match self.streams.remove(&stream) {
                 Some(s) => {
+                    self.rescans.remove(&stream);
                     s.close(false);
                     lock(&self.daemon.streams).remove(&stream);
                     tracing::info!(stream, dataset = %s.meta().dataset, uid = self.uid, pid = self.pid, "stream closed");
@@ -943,31 +966,10 @@ impl Connection {
                 ),
             ));
         }
-        let daemon = self.daemon.clone();
-        let (dataset, peer) = (open.dataset.clone(), self.peer);
-        let opened =
-            tokio::task::spawn_blocking(move || daemon.datasets.open(&dataset, &peer)).await.map_err(|e| {
-                let why = if e.is_panic() { crate::stream::panic_message(&*e.into_panic()) } else { e.to_string() };
-                tracing::error!(dataset = ?open.dataset, %why, "opening a dataset panicked");
-                (
-                    ErrorKind::Internal,
-                    format!(
-                        "opening the dataset failed inside the daemon (a bug: {why}); the daemon keeps serving other \
-                     streams — please report this with the daemon's log"
-                    ),
-                )
-            })??;
-        let (label, source, fingerprint) = (opened.label, opened.source, opened.fingerprint);
-        let shuffle = match (open.shuffle, open.block) {
-            (shuffle, None) => Shuffle::from(shuffle),
-            (true, Some(b)) => Shuffle::Block { block_size: b.block_size, window: b.window },
-            (false, Some(_)) => {
-                return Err((ErrorKind::Protocol, "a block order needs shuffle; send block: None without it".into()));
-            }
-        };
-        shuffle.check(source.len()).map_err(|e| (ErrorKind::Protocol, format!("dataset {label}: {e}")))?;
-        let sampler =
-            Sampler::new(source.len(), open.rank, open.world_size, open.batch_size, shuffle, open.seed, open.drop_last);
+        let opened = self.open_dataset(&open).await?;
+        let (label, source, generation) = (opened.label, opened.source, opened.generation);
+        let fingerprint = opened.fingerprint;
+        let sampler = sampler_for(&open, &label, source.len())?;
         if open.step > sampler.batches_per_epoch() {
             return Err((
                 ErrorKind::Protocol,
@@ -1037,17 +1039,23 @@ impl Connection {
             rank: open.rank,
             world_size: open.world_size,
             counters,
+            rescan: opened.rescan,
             cursor: Some(cursor),
         };
-        let stream = Stream::start(meta, source, sampler, shm, self.daemon.pool.clone(), open.epoch, open.step);
+        let (epoch, step) = (open.epoch, open.step);
+        let dataset = (source, sampler, generation);
+        let stream = Stream::start_at(meta, dataset, shm, self.daemon.pool.clone(), epoch, step);
         lock(&self.daemon.streams).insert(id, stream.clone());
         self.streams.insert(id, stream.clone());
+        if opened.rescan {
+            self.rescans.insert(id, open.clone());
+        }
         tracing::info!(
             stream = id,
             dataset = %stream.meta().dataset,
             rank = open.rank,
             world = open.world_size,
-            order = ?shuffle,
+            order = ?stream.sampler().shuffle(),
             uid = self.uid,
             pid = self.pid,
             job = self.job.as_deref().unwrap_or("-"),
@@ -1056,14 +1064,89 @@ impl Connection {
         Ok(stream)
     }
 
+    /// Opens (or reuses) the dataset `open` names, off the async threads, with the client's rights.
+    async fn open_dataset(&self, open: &OpenStream) -> Reply<crate::dataset::Opened> {
+        let daemon = self.daemon.clone();
+        let (dataset, peer) = (open.dataset.clone(), self.peer);
+        tokio::task::spawn_blocking(move || daemon.datasets.open(&dataset, &peer)).await.map_err(|e| {
+            let why = if e.is_panic() { crate::stream::panic_message(&*e.into_panic()) } else { e.to_string() };
+            tracing::error!(dataset = ?open.dataset, %why, "opening a dataset panicked");
+            (
+                ErrorKind::Internal,
+                format!(
+                    "opening the dataset failed inside the daemon (a bug: {why}); the daemon keeps serving other \
+                     streams — please report this with the daemon's log"
+                ),
+            )
+        })?
+    }
+
+    /// Matches a `rescan = "epoch"` dataset again for `epoch`: its files as
+    /// they are now (a changed file opened afresh), a sampler over the new
+    /// sample count. The new files must give the fields the stream's ring was
+    /// laid out for.
+    async fn rescan(
+        &self,
+        stream: &Arc<Stream>,
+        open: &OpenStream,
+        epoch: u64,
+    ) -> Reply<(Arc<dyn crate::source::Source>, Sampler, stoker_proto::Generation)> {
+        let label = &stream.meta().dataset;
+        let opened = self
+            .open_dataset(open)
+            .await
+            .map_err(|(kind, message)| (kind, format!("rescanning dataset {label} for epoch {epoch}: {message}")))?;
+        let was = stream.source();
+        let decls = |s: &Arc<dyn crate::source::Source>| s.fields().iter().map(|f| f.decl()).collect::<Vec<_>>();
+        if decls(&opened.source) != decls(&was) {
+            let show = |s: &Arc<dyn crate::source::Source>| {
+                s.fields().iter().map(|f| format!("{} {:?} {:?}", f.name, f.dtype, f.shape)).collect::<Vec<_>>()
+            };
+            return Err((
+                ErrorKind::Dataset,
+                format!(
+                    "rescanning dataset {label} for epoch {epoch}: its files now give fields {:?}, but the stream \
+                     was opened for {:?}; files added to a rescanned dataset must hold the same fields, dtypes and \
+                     sample shapes (open a new Loader for the new layout)",
+                    show(&opened.source),
+                    show(&was)
+                ),
+            ));
+        }
+        let samples = opened.source.len();
+        if samples == 0 {
+            return Err((
+                ErrorKind::Dataset,
+                format!("rescanning dataset {label} for epoch {epoch}: no samples left; add files before the epoch"),
+            ));
+        }
+        let generation = opened.generation;
+        if generation != stream.generation() {
+            tracing::info!(
+                stream = stream.meta().id,
+                dataset = %label,
+                epoch,
+                files = generation.files,
+                samples,
+                was_files = stream.generation().files,
+                was_samples = stream.generation().samples,
+                "dataset rescanned: its files changed"
+            );
+        }
+        Ok((opened.source, sampler_for(open, label, samples)?, generation))
+    }
+
     /// Sends `StreamOpened` with the ring's and the control page's memfds.
     async fn send_stream(&mut self, stream: Arc<Stream>) -> std::io::Result<()> {
+        let sampler = stream.sampler();
         let info = StreamInfo {
             stream: stream.meta().id,
-            num_samples: stream.sampler().per_rank(),
-            batches_per_epoch: stream.sampler().batches_per_epoch(),
+            num_samples: sampler.per_rank(),
+            batches_per_epoch: sampler.batches_per_epoch(),
             depth: stream.ring().depth(),
             layout: stream.layout().clone(),
+            rescan: stream.meta().rescan,
+            generation: stream.generation(),
         };
         self.send_with_fds(&Response::StreamOpened(info), &[stream.ring().fd(), stream.control().fd()]).await
     }
@@ -1100,6 +1183,20 @@ fn send_part(sock: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> std::io
     }
     let n = rustix::net::sendmsg(sock, &[IoSlice::new(bytes)], &mut control, SendFlags::NOSIGNAL)?;
     Ok(n)
+}
+
+/// The sampler of a stream opened as `open`, over `samples` samples (`≥ 1`)
+/// of dataset `label`: at open, and again for each rescanned epoch.
+fn sampler_for(open: &OpenStream, label: &str, samples: u64) -> Reply<Sampler> {
+    let shuffle = match (open.shuffle, open.block) {
+        (shuffle, None) => Shuffle::from(shuffle),
+        (true, Some(b)) => Shuffle::Block { block_size: b.block_size, window: b.window },
+        (false, Some(_)) => {
+            return Err((ErrorKind::Protocol, "a block order needs shuffle; send block: None without it".into()));
+        }
+    };
+    shuffle.check(samples).map_err(|e| (ErrorKind::Protocol, format!("dataset {label}: {e}")))?;
+    Ok(Sampler::new(samples, open.rank, open.world_size, open.batch_size, shuffle, open.seed, open.drop_last))
 }
 
 fn no_stream(stream: u64) -> Response {

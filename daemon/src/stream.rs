@@ -34,12 +34,12 @@ use std::any::Any;
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 use stoker_proto::ctrl::{Publisher, RECORDS, Record, RecordKind};
-use stoker_proto::{BatchLayout, FIELD_ALIGN, LayoutLimits, StreamStatus};
+use stoker_proto::{BatchLayout, FIELD_ALIGN, Generation, LayoutLimits, StreamStatus};
 
 use crate::metrics::DatasetCounters;
 use crate::ring::{ControlPage, Ring};
@@ -142,6 +142,10 @@ pub struct StreamMeta {
     pub world_size: u64,
     /// The counters of the dataset it reads (metrics).
     pub counters: Arc<DatasetCounters>,
+    /// The dataset is scanned again at each new epoch (`rescan = "epoch"`):
+    /// production stops at the end of an epoch instead of running into the
+    /// next, whose files are only known once `set_epoch` rescanned them.
+    pub rescan: bool,
     /// Where the stream is, for the caches' eviction plan (`None`: untracked).
     pub cursor: Option<Arc<crate::cache::Cursor>>,
 }
@@ -165,8 +169,11 @@ pub struct Shm {
 #[derive(Debug)]
 pub struct Stream {
     meta: StreamMeta,
-    source: Arc<dyn Source>,
-    sampler: Sampler,
+    /// The source and sampler of the current epoch: replaced together, under
+    /// the state lock, only by [`Stream::set_epoch_with`] (a rescan), which
+    /// also starts a new fill generation, so no fill mixes the two.
+    source: RwLock<Arc<dyn Source>>,
+    sampler: RwLock<Arc<Sampler>>,
     shm: Shm,
     pool: Arc<rayon::ThreadPool>,
     state: Mutex<State>,
@@ -182,6 +189,8 @@ struct State {
     produce_epoch: u64,
     next_produce: u64,
     generation: u64,
+    /// The epoch whose file list the source holds (rescan streams), and its generation.
+    scanned: (u64, Generation),
     slots: Vec<Slot>,
     closed: bool,
     publisher: Publisher,
@@ -287,11 +296,23 @@ impl Stream {
         epoch: u64,
         step: u64,
     ) -> Arc<Stream> {
+        Stream::start_at(meta, (source, sampler, Generation::default()), shm, pool, epoch, step)
+    }
+
+    /// [`Stream::start`] with the dataset generation the source reads.
+    pub fn start_at(
+        meta: StreamMeta,
+        (source, sampler, generation): (Arc<dyn Source>, Sampler, Generation),
+        shm: Shm,
+        pool: Arc<rayon::ThreadPool>,
+        epoch: u64,
+        step: u64,
+    ) -> Arc<Stream> {
         let depth = shm.ring.depth() as usize;
         let stream = Arc::new(Stream {
             meta,
-            source,
-            sampler,
+            source: RwLock::new(source),
+            sampler: RwLock::new(Arc::new(sampler)),
             shm,
             pool,
             state: Mutex::new(State {
@@ -300,6 +321,7 @@ impl Stream {
                 produce_epoch: epoch,
                 next_produce: step,
                 generation: 0,
+                scanned: (epoch, generation),
                 slots: (0..depth).map(|_| Slot { state: SlotState::Free, segment: None }).collect(),
                 closed: false,
                 publisher: Publisher::default(),
@@ -325,9 +347,9 @@ impl Stream {
         &self.meta
     }
 
-    /// The dataset it reads.
-    pub fn source(&self) -> &Arc<dyn Source> {
-        &self.source
+    /// The dataset it reads (in the current epoch).
+    pub fn source(&self) -> Arc<dyn Source> {
+        self.source.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// The ring (its fd is sent to the client).
@@ -368,9 +390,20 @@ impl Stream {
             .fold((0, 0), |(n, b), (_, _, bytes)| (n + 1, b + bytes))
     }
 
-    /// The sampler (batch counts).
-    pub fn sampler(&self) -> &Sampler {
-        &self.sampler
+    /// The sampler (batch counts) of the current epoch.
+    pub fn sampler(&self) -> Arc<Sampler> {
+        self.sampler.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The dataset generation the current epoch reads.
+    pub fn generation(&self) -> Generation {
+        self.lock().scanned.1
+    }
+
+    /// Whether moving to `epoch` rescans the dataset: a rescan stream moving
+    /// to another epoch than the one its files were matched for.
+    pub fn needs_rescan(&self, epoch: u64) -> bool {
+        self.meta.rescan && self.lock().scanned.0 != epoch
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -465,7 +498,7 @@ impl Stream {
                 }
             }
             // With no fill running, only the client can move the stream: ask it for word.
-            let blocked = self.sampler.batches_per_epoch() > 0
+            let blocked = self.sampler().batches_per_epoch() > 0
                 && !st.slots.iter().any(|s| matches!(s.state, SlotState::Filling { .. }));
             if st.closed || !(blocked || full) {
                 return;
@@ -492,7 +525,21 @@ impl Stream {
     /// and records not yet taken reclaimed. Returns the sequence number of
     /// the new position's first record.
     pub fn set_epoch(self: &Arc<Self>, epoch: u64, step: u64) -> Result<u32, String> {
-        let batches = self.sampler.batches_per_epoch();
+        self.set_epoch_with(epoch, step, None)
+    }
+
+    /// [`Stream::set_epoch`], reading `rescanned` (the dataset matched again
+    /// for `epoch`: source, sampler over its samples, generation) from then on.
+    pub fn set_epoch_with(
+        self: &Arc<Self>,
+        epoch: u64,
+        step: u64,
+        rescanned: Option<(Arc<dyn Source>, Sampler, Generation)>,
+    ) -> Result<u32, String> {
+        let batches = match &rescanned {
+            Some((_, sampler, _)) => sampler.batches_per_epoch(),
+            None => self.sampler().batches_per_epoch(),
+        };
         if step > batches {
             return Err(format!(
                 "step {step} is past the end of the epoch ({batches} batches per epoch for this rank)"
@@ -516,6 +563,17 @@ impl Stream {
         st.published.clear();
         st.failures.clear();
         st.exhausted = None;
+        if let Some((source, sampler, generation)) = rescanned {
+            // Under the state lock and with the generation bump below: fills
+            // of the old list still running are discarded when they finish.
+            let old = std::mem::replace(&mut *self.source.write().unwrap_or_else(|e| e.into_inner()), source);
+            if let Some(cursor) = &self.meta.cursor {
+                cursor.set_sampler(sampler.clone());
+            }
+            *self.sampler.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(sampler);
+            self.meta.counters.observe_skips(&old);
+            st.scanned = (epoch, generation);
+        }
         st.generation += 1;
         st.epoch = epoch;
         st.next_deliver = step;
@@ -550,7 +608,7 @@ impl Stream {
         }
         drop(st);
         self.shm.reserved.lock().unwrap_or_else(|e| e.into_inner()).clear();
-        self.meta.counters.observe_skips(&self.source);
+        self.meta.counters.observe_skips(&self.source());
     }
 
     /// The answer to `Fetch { seq }`.
@@ -633,7 +691,7 @@ impl Stream {
 
     /// Starts fills for the next steps while slots can be had.
     fn fill(self: &Arc<Self>, st: &mut State) {
-        let batches = self.sampler.batches_per_epoch();
+        let batches = self.sampler().batches_per_epoch();
         let depth = self.shm.ring.depth() as usize;
         while !st.closed && batches > 0 {
             // Read ahead `depth` batches, no more: extra slots are for what
@@ -682,6 +740,10 @@ impl Stream {
                 }
             };
             if st.next_produce >= batches {
+                if self.meta.rescan {
+                    // The next epoch's files are matched at its `set_epoch`.
+                    return;
+                }
                 st.produce_epoch += 1;
                 st.next_produce = 0;
             }
@@ -700,7 +762,7 @@ impl Stream {
         if let Some(cursor) = &self.meta.cursor {
             cursor.set(epoch, step);
         }
-        let rows = self.sampler.rows(step);
+        let rows = self.sampler().rows(step);
         let (ring, index) = self.ring_of(st, id);
         let Some(writer) = ring.writer(index, 0..rows) else {
             return false;
@@ -738,25 +800,27 @@ impl Stream {
         generation: u64,
         step: u64,
     ) -> Outcome {
-        {
+        // The source and sampler this fill's generation was started with.
+        let (source, sampler) = {
             let st = self.lock();
             if st.closed || st.generation != generation {
                 return Outcome::default();
             }
-        }
-        let perm = self.sampler.permutation(epoch);
-        let seed = self.sampler.seed();
+            (self.source(), self.sampler())
+        };
+        let perm = sampler.permutation(epoch);
+        let seed = sampler.seed();
         let failure = Mutex::new(None::<String>);
-        let nfields = self.source.fields().len();
+        let nfields = source.fields().len();
         let oversize = Mutex::new((vec![0u64; nfields], None::<String>));
         let busy = AtomicU64::new(0);
         writer.split(parts, MIN_ROWS_PER_TASK).into_par_iter().for_each(|mut part| {
             let _timer = crate::metrics::Timer::new(&busy);
             let _busy = Busy(Instant::now());
             for row in part.rows() {
-                let index = self.sampler.index(perm.as_ref(), step, row);
+                let index = sampler.index(perm.as_ref(), step, row);
                 let sample = SampleRef { index, seed, epoch };
-                let read = catch_unwind(AssertUnwindSafe(|| self.source.read_sample(sample, &mut part.row_mut(row))));
+                let read = catch_unwind(AssertUnwindSafe(|| source.read_sample(sample, &mut part.row_mut(row))));
                 let error = match read {
                     Ok(Ok(())) => continue,
                     Ok(Err(SourceError::Oversize { field, bytes, message })) if field < nfields => {
@@ -772,7 +836,7 @@ impl Stream {
                     }
                     Err(payload) => {
                         let why = panic_message(&*payload);
-                        let fields: Vec<&str> = self.source.fields().iter().map(|f| f.name.as_str()).collect();
+                        let fields: Vec<&str> = source.fields().iter().map(|f| f.name.as_str()).collect();
                         tracing::error!(stream = self.meta.id, dataset = %self.meta.dataset, index, %why, "reading a sample panicked");
                         format!(
                             "dataset {}: reading sample {index} (fields {fields:?}, epoch {epoch}, batch {step}) failed \
@@ -838,7 +902,8 @@ impl Stream {
     /// The stream's layout with the ragged rooms `oversize` asks for.
     fn oversize_layout(&self, oversize: &[u64]) -> Result<BatchLayout, String> {
         let layout = self.shm.ring.layout();
-        let decls = self.source.fields().iter().zip(oversize).map(|(f, &need)| {
+        let source = self.source();
+        let decls = source.fields().iter().zip(oversize).map(|(f, &need)| {
             let mut decl = f.decl();
             if need > 0 {
                 let room = need.checked_next_multiple_of(FIELD_ALIGN).unwrap_or(need);
@@ -853,7 +918,7 @@ impl Stream {
     /// the record queue is full (the client has not taken enough).
     fn publish(&self, st: &mut State) -> bool {
         let control = self.shm.control.control();
-        let batches = self.sampler.batches_per_epoch();
+        let batches = self.sampler().batches_per_epoch();
         loop {
             if st.closed {
                 return false;
@@ -956,7 +1021,7 @@ impl Stream {
             world_size: self.meta.world_size,
             epoch: st.epoch,
             step: st.next_deliver,
-            batches_per_epoch: self.sampler.batches_per_epoch(),
+            batches_per_epoch: self.sampler().batches_per_epoch(),
             batches: st.delivered.saturating_sub(self.untaken_batches(&st).0),
             batches_per_s,
             mb_per_s,
@@ -1037,6 +1102,7 @@ mod tests {
             rank: 0,
             world_size: 1,
             counters: Default::default(),
+            rescan: false,
             cursor: None,
         };
         let sampler = Sampler::new(samples, 0, 1, batch, false, 0, false);
@@ -1417,6 +1483,82 @@ mod tests {
         assert!(matches!(stream.fetch(client.q.next_seq() - 1), Fetched::Resumed));
         let rec = client.take();
         assert_eq!((rec.kind, rec.step), (RecordKind::Batch, 3));
+    }
+
+    /// `len` samples, each writing its index plus `add`.
+    #[derive(Debug)]
+    struct Offset {
+        fields: Vec<FieldSpec>,
+        len: u64,
+        add: u64,
+    }
+
+    impl Source for Offset {
+        fn len(&self) -> u64 {
+            self.len
+        }
+
+        fn fields(&self) -> &[FieldSpec] {
+            &self.fields
+        }
+
+        fn read_sample(&self, sample: SampleRef, out: &mut [FieldOut<'_>]) -> Result<(), SourceError> {
+            out[0].data.copy_from_slice(&(sample.index + self.add).to_ne_bytes());
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_rescan_stream_stops_at_the_epoch_end_and_reads_the_rescanned_source_from_set_epoch() {
+        let old: Arc<dyn Source> = Arc::new(Offset { fields: vec![u64_field()], len: 8, add: 0 });
+        let fields: Vec<_> = old.fields().iter().map(|f| f.decl()).collect();
+        let layout = BatchLayout::new(2, fields, &LayoutLimits::DEFAULT).unwrap();
+        let shm = Shm {
+            ring: Ring::create("rescan", &layout, 3).unwrap(),
+            control: ControlPage::create("rescan").unwrap(),
+            budgets: [Budget::new(u64::MAX), Budget::new(u64::MAX)],
+            reserved: Mutex::new(Vec::new()),
+            limits: LayoutLimits::DEFAULT,
+        };
+        let pool = Arc::new(rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap());
+        let meta = StreamMeta {
+            id: 1,
+            client_id: 1,
+            pid: 1,
+            dataset: "rescan".into(),
+            rank: 0,
+            world_size: 1,
+            counters: Default::default(),
+            rescan: true,
+            cursor: None,
+        };
+        let was = Generation { fingerprint: 1, files: 1, samples: 8 };
+        let sampler = Sampler::new(8, 0, 1, 2, false, 0, false);
+        let stream = Stream::start_at(meta, (old, sampler, was), shm, pool, 0, 0);
+        let mut client = Client::new(&stream);
+        for step in 0..4 {
+            let rec = client.take();
+            assert_eq!((rec.kind, rec.epoch, rec.step), (RecordKind::Batch, 0, step));
+            client.give_back(rec.slot);
+        }
+        assert_eq!(client.take().kind, RecordKind::EndOfEpoch);
+        // Nothing of epoch 1 is made from the old file list.
+        assert!(client.try_take(Duration::from_millis(100)).is_none(), "a batch read ahead across a rescan");
+        assert!(stream.needs_rescan(1) && !stream.needs_rescan(0));
+        let new: Arc<dyn Source> = Arc::new(Offset { fields: vec![u64_field()], len: 12, add: 1000 });
+        let now = Generation { fingerprint: 2, files: 2, samples: 12 };
+        let sampler = Sampler::new(12, 0, 1, 2, false, 0, false);
+        let skip_to = stream.set_epoch_with(1, 0, Some((new, sampler, now))).unwrap();
+        client.q.skip_to(stream.control().control(), skip_to);
+        assert_eq!((stream.sampler().batches_per_epoch(), stream.generation()), (6, now));
+        assert!(!stream.needs_rescan(1));
+        for step in 0..6 {
+            let rec = client.take();
+            assert_eq!((rec.kind, rec.epoch, rec.step), (RecordKind::Batch, 1, step));
+            assert_eq!([client.value(&rec, 0), client.value(&rec, 1)], [1000 + 2 * step, 1001 + 2 * step]);
+            client.give_back(rec.slot);
+        }
+        assert_eq!(client.take().kind, RecordKind::EndOfEpoch);
     }
 
     /// Ragged values of `len` u8s for sample i: i+1 bytes, except sample 5: `big` bytes.

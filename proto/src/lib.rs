@@ -20,13 +20,13 @@ pub use layout::{
 pub use message::BlockShuffle;
 pub use message::{
     BatchReady, CacheDatasetStatus, CacheReport, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, DatasetSkips,
-    DatasetStatus, ErrorKind, FieldTransforms, Hdf5Sampling, LmdbDataset, LmdbFieldDef, OpenStream, PairDef, Request,
-    Response, StatusReport, StreamInfo, StreamStatus, TransformDef, WorkerStatus,
+    DatasetStatus, ErrorKind, FieldTransforms, Generation, Hdf5Sampling, LmdbDataset, LmdbFieldDef, OpenStream,
+    PairDef, Request, Rescan, Response, StatusReport, StreamInfo, StreamStatus, TransformDef, WorkerStatus,
 };
 pub use steps::{step_from_json, step_names};
 
 /// Version of the wire protocol; bumped on any incompatible change.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// Socket path used when neither `--socket`, `$STOKER_SOCKET` nor a config says otherwise.
 pub const DEFAULT_SOCKET: &str = "/run/stoker/stoker.sock";

@@ -145,6 +145,8 @@ pub enum DatasetRef {
         sampling: Box<Hdf5Sampling>,
         /// Per-field transforms (fields without an entry are delivered as read).
         transforms: Vec<FieldTransforms>,
+        /// Whether the glob is matched again at each new epoch.
+        rescan: Rescan,
     },
     /// LMDB environments, each field a value codec plus transforms.
     Lmdb(LmdbDataset),
@@ -222,6 +224,36 @@ pub struct LmdbDataset {
     /// Keys probed at open to learn each field's dtype and shape (default 8).
     #[serde(default)]
     pub probe: Option<u64>,
+    /// Whether the keys are listed again at each new epoch.
+    #[serde(default)]
+    pub rescan: Rescan,
+}
+
+/// When a dataset's file list (HDF5 glob) or key list (LMDB) is read again.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Rescan {
+    /// Once, when the stream opens (the default).
+    #[default]
+    Never,
+    /// At every `SetEpoch` to another epoch than the one last scanned: new
+    /// files (keys) join, removed ones leave, and the epoch's permutation is
+    /// over the new sample count.
+    Epoch,
+}
+
+/// Which files (or keys) a stream's epoch reads: a fingerprint of the file
+/// list with each file's identity (path, device, inode, size, mtime), or of
+/// an LMDB dataset's key list. Loader state records it, so resuming against
+/// another one is noticed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Generation {
+    /// 64-bit FNV-1a hash of the list.
+    pub fingerprint: u64,
+    /// HDF5 files (LMDB: environments) of the dataset.
+    pub files: u64,
+    /// Samples of the dataset (before sharding).
+    pub samples: u64,
 }
 
 /// One field of an LMDB dataset.
@@ -417,6 +449,12 @@ pub enum Response {
         stream: u64,
         /// Sequence number of the first record of the new position.
         skip_to: u32,
+        /// As [`StreamInfo::num_samples`], for the new epoch (changes only with rescan).
+        num_samples: u64,
+        /// Batches per epoch for this rank in the new epoch.
+        batches_per_epoch: u64,
+        /// The dataset generation the new epoch reads.
+        generation: Generation,
     },
     /// An extra slot's segment: its memfd travels with this message.
     Segment {
@@ -512,6 +550,10 @@ pub struct StreamInfo {
     pub depth: u32,
     /// Where fields lie inside each slot.
     pub layout: BatchLayout,
+    /// Whether the dataset is scanned again at each new epoch ([`Rescan::Epoch`]).
+    pub rescan: bool,
+    /// The dataset generation the stream's epoch reads.
+    pub generation: Generation,
 }
 
 /// A slot holding batch `step` of `epoch`, leased to the client.
@@ -717,6 +759,7 @@ mod fuzz {
                     pair: None,
                     spatial_axes: Some([-2, -1]),
                 }],
+                rescan: Rescan::Epoch,
             },
             batch_size,
             shuffle: true,

@@ -73,10 +73,20 @@ class Hdf5Spec:
     sampling: Optional[str] = None
     #: JSON list of ``FieldTransforms`` (field, steps, pair, spatial_axes), checked by :func:`hdf5`.
     transforms: str = "[]"
+    #: ``"epoch"``: match the glob again at each new epoch; ``None``: once (see :func:`hdf5`).
+    rescan: Optional[str] = None
 
     def _wire(self) -> tuple:
         fields = [(str(k), str(v)) for k, v in self.fields.items()]
-        return ("hdf5", self.files, fields, self.window, list(self.per_item), self.sampling, self.transforms)
+        return (
+            "hdf5", self.files, fields, self.window, list(self.per_item), self.sampling, self.transforms, self.rescan,
+        )
+
+
+def _rescan(rescan: Optional[str]) -> Optional[str]:
+    if rescan not in (None, "never", "epoch"):
+        raise ValueError(f"rescan must be 'epoch', 'never' or None, not {rescan!r}")
+    return None if rescan == "never" else rescan
 
 
 _WINDOW_KEYS = {"size", "stride", "n_steps_input", "n_steps_output", "dt_stride", "min_dt_stride", "max_dt_stride"}
@@ -119,6 +129,7 @@ def hdf5(
     output: Sequence[str] = (),
     constant: Sequence[str] = (),
     time_only: Sequence[str] = (),
+    rescan: Optional[str] = None,
 ) -> Hdf5Spec:
     """Describe an HDF5 dataset for :class:`Loader`.
 
@@ -153,9 +164,17 @@ def hdf5(
     says otherwise. ``pair={"y": ("x", 1)}`` makes ``y``'s random steps draw
     what ``x``'s draw (input/output windows, LR/HR at scale 4).
 
+    ``rescan="epoch"`` is for datasets that grow while training runs: at each
+    new epoch (:meth:`Loader.set_epoch` to another epoch) the daemon matches
+    the glob again, so files added since join, removed ones leave, changed
+    ones are read afresh, the epoch's permutation is over the new sample count
+    and ``len(loader)`` follows. The files matched must hold the same fields
+    (dtype and sample shape). See ``docs/python.md`` ("Datasets that grow").
+
     The daemon only serves ad-hoc datasets under its configured ``allowed_roots``.
     """
     files = os.path.abspath(os.fspath(files))
+    rescan = _rescan(rescan)
     if not fields:
         raise ValueError("fields must map at least one field name to an HDF5 dataset path")
     win, n_in, (dt_min, dt_max) = None, None, (1, 1)
@@ -206,7 +225,7 @@ def hdf5(
                 "spatial_axes": None if axes is None else [int(a) for a in axes],
             }
         )
-    return Hdf5Spec(files, dict(fields), win, tuple(per_item), sampling, json.dumps(defs))
+    return Hdf5Spec(files, dict(fields), win, tuple(per_item), sampling, json.dumps(defs), rescan)
 
 
 @dataclass(frozen=True)
@@ -263,6 +282,7 @@ def lmdb(
     key_regex: Optional[str] = None,
     on_error: str = "fail",
     max_sample_bytes: Optional[Mapping[str, int]] = None,
+    rescan: Optional[str] = None,
 ) -> LmdbSpec:
     """Describe an LMDB dataset for :class:`Loader`.
 
@@ -291,7 +311,13 @@ def lmdb(
     ``on_error="skip"`` replaces a bad value by the next good sample (counted
     in ``stoker status``); ``"fail"`` raises :class:`DatasetError` naming the
     environment, key and codec.
+
+    ``rescan="epoch"`` lists the keys (through the key filter or key file)
+    again at each new epoch, so keys added between epochs appear, as
+    :func:`hdf5`'s ``rescan`` does for files. Write the environment only
+    between epochs: a read that finds it changed fails.
     """
+    rescan = _rescan(rescan)
     names = list(fields)
     if not names:
         raise ValueError("fields must name at least one field and its codec")
@@ -334,6 +360,7 @@ def lmdb(
         "key_regex": key_regex,
         "on_error": on_error,
         "probe": None,
+        "rescan": rescan or "never",
     }
     return LmdbSpec(definition)
 
@@ -644,6 +671,7 @@ class Loader:
             try:
                 self._stream = self._open(self._epoch, self._step)
                 self._pid = os.getpid()
+                self._info = self._stream.info()
                 break
             except DaemonUnavailable:
                 if time.monotonic() >= deadline:
@@ -691,6 +719,9 @@ class Loader:
         After :meth:`load_state_dict`, setting the saved epoch keeps the saved
         step, so the usual ``for epoch in range(start, n): set_epoch(epoch)``
         loop resumes mid-epoch.
+
+        A dataset opened with ``rescan="epoch"`` is matched again here, when
+        the epoch changes, so ``len(loader)`` is the new epoch's right after.
         """
         epoch = int(epoch)
         if epoch < 0:
@@ -699,6 +730,11 @@ class Loader:
             self._resume = None
         self._epoch = epoch
         self._iterated = None
+        info = self._info
+        if info is not None and info.get("rescan") and self._stream is not None and self._pid == os.getpid():
+            start = self._resume if self._resume is not None else 0
+            self._stream.set_epoch(epoch, start, self.timeout)
+            self._info = self._stream.info()
 
     def __iter__(self) -> Iterator[Batch]:
         """One epoch. Like a ``DataLoader``'s, each ``iter()`` starts the epoch
@@ -726,6 +762,8 @@ class Loader:
             if self.reconnect <= 0:
                 raise
             self._reconnect(e)
+        # A rescanned dataset's counts are the new epoch's.
+        self._info = self._native().info()
         if getattr(self, "device", None) is not None:
             return _CudaEpochIterator(self)  # type: ignore[return-value]
         return _EpochIterator(self)
@@ -735,10 +773,14 @@ class Loader:
 
         Keys: ``epoch`` and ``step`` (the next batch), the sampling
         configuration (``block_size``/``block_window`` ``None`` unless
-        ``shuffle="block"``), and torchdata ``StatefulDataLoader``'s ``_num_yielded``
+        ``shuffle="block"``), torchdata ``StatefulDataLoader``'s ``_num_yielded``
         (batches of this epoch already delivered, equal to ``step``) and
-        ``_iterator_finished``.
+        ``_iterator_finished``, and the dataset generation the epoch reads:
+        ``dataset_generation`` (a 64-bit fingerprint of the file list with
+        each file's identity, or of an LMDB key list), ``dataset_files`` and
+        ``dataset_samples`` (see :meth:`load_state_dict`).
         """
+        info = self._stream_info()
         return {
             "seed": self.seed,
             "epoch": self._epoch,
@@ -752,12 +794,24 @@ class Loader:
             "world_size": self.world_size,
             "_num_yielded": self._step,
             "_iterator_finished": self._step >= len(self),
+            "dataset_generation": int(info["generation"]),
+            "dataset_files": int(info["files"]),
+            "dataset_samples": int(info["samples"]),
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Resume from :meth:`state_dict`: the next iteration starts at its epoch and step.
 
         Accepts ``_num_yielded`` in place of ``step``.
+
+        The state records the dataset generation (which files, with which
+        identity, or which LMDB keys) of the saved epoch. If the dataset is
+        another generation now (files added, removed or changed since), the
+        saved position does not continue the same order: this raises
+        :class:`DatasetError` naming the old and new file and sample counts.
+        ``strict=False`` continues anyway, at the saved epoch and step over
+        the dataset as it is now (the step capped at the epoch's end), with
+        a ``RuntimeWarning``.
         """
         for key in ("seed", "batch_size", "shuffle", "block_size", "block_window", "drop_last", "world_size"):
             if key in state and state[key] != getattr(self, key):
@@ -771,6 +825,21 @@ class Loader:
             step = int(state["_num_yielded"])
         else:
             raise ValueError("state has neither 'step' nor '_num_yielded': not a stoker.Loader state_dict")
+        saved = state.get("dataset_generation")
+        info = self._stream_info()
+        if saved is not None and int(saved) != int(info["generation"]):
+            message = (
+                f"stoker: the dataset changed since this state was saved: it had {state.get('dataset_files', '?')} "
+                f"files and {state.get('dataset_samples', '?')} samples (generation {int(saved):016x}), it now has "
+                f"{info['files']} files and {info['samples']} samples (generation {int(info['generation']):016x}), "
+                f"so epoch {state.get('epoch', self._epoch)} from batch {step} would not continue the saved order"
+            )
+            if strict:
+                raise DatasetError(
+                    message + "; pass strict=False to load_state_dict to continue over the dataset as it is now"
+                )
+            warnings.warn(message + "; continuing (strict=False)", RuntimeWarning, stacklevel=2)
+            step = min(max(step, 0), len(self))
         if not 0 <= step <= len(self):
             raise ValueError(f"state step {step} is outside this loader's epoch of {len(self)} batches")
         self._epoch = int(state.get("epoch", self._epoch))

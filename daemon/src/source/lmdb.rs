@@ -436,6 +436,11 @@ impl LmdbSource {
         self.keys.get(index as usize)
     }
 
+    /// The sample keys, in sample order.
+    pub fn keys(&self) -> impl Iterator<Item = &[u8]> {
+        self.keys.iter()
+    }
+
     /// Why one of the dataset's environments is unusable, once a read found
     /// its file truncated or corrupt. Such a source fails every read; open
     /// the dataset again (a fresh mapping of the file) instead of reusing it.
@@ -847,7 +852,10 @@ impl SharedEnv {
         let mut open = OPEN_ENVS.lock().unwrap_or_else(PoisonError::into_inner);
         // A poisoned environment is never handed out again: the file may have
         // been restored since, and a fresh mapping reads it anew.
-        if let Some(env) = open.get(&canonical).and_then(Weak::upgrade).filter(|e| e.env.poisoned().is_none()) {
+        // Nor is one whose file was written since it was mapped (a dataset
+        // opened again to see new keys): beginning a transaction checks that.
+        let current = |e: &Arc<SharedEnv>| e.env.poisoned().is_none() && e.env.txn().is_ok();
+        if let Some(env) = open.get(&canonical).and_then(Weak::upgrade).filter(current) {
             return Ok(env);
         }
         let single_file = canonical.is_file();
