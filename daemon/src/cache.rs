@@ -114,7 +114,8 @@ pub fn space_id(file: &crate::fsaccess::FileId, field: &str, spec: &impl Hash) -
 /// Where one stream is: what its future reads are, for clairvoyant eviction.
 #[derive(Debug)]
 pub struct Cursor {
-    dataset: u64,
+    /// The fingerprint of the dataset it reads (changes when a `rescan` stream's files do).
+    dataset: AtomicU64,
     state: Mutex<CursorState>,
 }
 
@@ -137,6 +138,16 @@ impl Cursor {
             st.epoch = epoch;
         }
         st.position = step.saturating_mul(st.sampler.batch_size());
+    }
+
+    /// The fingerprint of the dataset it reads.
+    pub fn dataset(&self) -> u64 {
+        self.dataset.load(Ordering::Relaxed)
+    }
+
+    /// The stream now reads the dataset `dataset` (rescanned: its files changed).
+    pub fn set_dataset(&self, dataset: u64) {
+        self.dataset.store(dataset, Ordering::Relaxed);
     }
 
     /// Replaces the sampler (a dataset rescanned at an epoch boundary).
@@ -179,7 +190,7 @@ impl Futures {
     /// from (`epoch`, `step`); it counts until the returned cursor drops.
     pub fn register(&self, dataset: u64, sampler: Sampler, epoch: u64, step: u64) -> Arc<Cursor> {
         let cursor = Arc::new(Cursor {
-            dataset,
+            dataset: AtomicU64::new(dataset),
             state: Mutex::new(CursorState { sampler, epoch: u64::MAX, position: 0, perms: [None, None] }),
         });
         cursor.set(epoch, step);
@@ -193,7 +204,7 @@ impl Futures {
     pub fn label(&self, dataset: u64, label: &str) {
         let live: std::collections::HashSet<u64> = {
             let cursors = self.cursors.read().unwrap_or_else(PoisonError::into_inner);
-            cursors.iter().filter_map(Weak::upgrade).map(|c| c.dataset).collect()
+            cursors.iter().filter_map(Weak::upgrade).map(|c| c.dataset()).collect()
         };
         let mut labels = self.labels.write().unwrap_or_else(PoisonError::into_inner);
         if labels.len() >= MAX_TRACKED && !labels.contains_key(&dataset) {
@@ -227,7 +238,7 @@ impl Futures {
     pub fn next_use(&self, uses: &Uses) -> u64 {
         let cursors = self.cursors.read().unwrap_or_else(PoisonError::into_inner);
         let mut best = NEVER;
-        for cursor in cursors.iter().filter_map(Weak::upgrade).filter(|c| c.dataset == uses.dataset) {
+        for cursor in cursors.iter().filter_map(Weak::upgrade).filter(|c| c.dataset() == uses.dataset) {
             if uses.hi == NEVER {
                 return 0;
             }

@@ -1133,7 +1133,12 @@ impl Connection {
                 "dataset rescanned: its files changed"
             );
         }
-        Ok((opened.source, sampler_for(open, label, samples)?, generation))
+        let sampler = sampler_for(open, label, samples)?;
+        if let Some(cursor) = &stream.meta().cursor {
+            // The caches plan over the files the stream reads from now on.
+            cursor.set_dataset(opened.fingerprint);
+        }
+        Ok((opened.source, sampler, generation))
     }
 
     /// Sends `StreamOpened` with the ring's and the control page's memfds.
