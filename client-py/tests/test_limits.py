@@ -89,9 +89,9 @@ def test_batch_and_total_ring_limits(
     stoker: Any, start_daemon: Callable[..., Daemon], data: H5Data, tmp_path: Path
 ) -> None:
     """A batch larger than [limits] max_batch_bytes, and rings beyond the
-    daemon-wide [limits] max_memory_bytes (rings plus the chunk cache), are refused with LimitError."""
+    daemon-wide [limits] max_memory_bytes (rings plus the caches), are refused with LimitError."""
     # A sample of x is 4 × 3 float32 = 48 bytes, a slot at least one page.
-    d = start_daemon(depth=2, extra="[limits]\nmax_batch_bytes = 8192\nmax_memory_bytes = 90112\n[cache]\nchunk_bytes = 4096\n")
+    d = start_daemon(depth=2, extra="[limits]\nmax_batch_bytes = 8192\nmax_memory_bytes = 90112\n[cache]\nchunk_bytes = 4096\nsample_bytes = 0\n")
     with pytest.raises(stoker.LimitError) as exc:
         stoker.Loader(data.spec(stoker), batch_size=1000, socket=d.socket)
     assert_names(str(exc.value), "1000 rows", "[limits] max_batch_bytes", "8192", "use batch_size")
@@ -101,7 +101,7 @@ def test_batch_and_total_ring_limits(
     held = [stoker.Loader(data.spec(stoker), batch_size=16, socket=d.socket) for _ in range(3)]
     with pytest.raises(stoker.LimitError) as exc:
         stoker.Loader(data.spec(stoker), batch_size=16, socket=d.socket)
-    assert_names(str(exc.value), "[limits] max_memory_bytes", "90112", "already hold 86016", "4096 bytes of chunk cache")
+    assert_names(str(exc.value), "[limits] max_memory_bytes", "90112", "already hold 86016", "4096 bytes of caches")
     held.pop().close()
     assert_still_serving(stoker, d, data)
     for loader in held:

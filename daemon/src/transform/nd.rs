@@ -279,12 +279,20 @@ fn write_out(src: &[u8], view: &NdView, ops: &[Op], out: DType, dst: &mut [u8]) 
             Op::Cast(_) => Vec::new(),
         })
         .collect();
+    if !write_rows(src, view, ops, &lookups, out, dst) {
+        write_each(src, view, ops, &lookups, out, dst);
+    }
+}
+
+/// [`write_out`] an element at a time: any dtypes, any conversions.
+fn write_each(src: &[u8], view: &NdView, ops: &[Op], lookups: &[Vec<(usize, u64)>], out: DType, dst: &mut [u8]) {
+    let size = view.dtype.size();
     let out_size = out.size();
     let mut n = 0usize;
     for_each(view, |at, index| {
         let from = at as usize * size;
         let mut v = read(view.dtype, &src[from..from + size]);
-        for (op, lookup) in ops.iter().zip(&lookups) {
+        for (op, lookup) in ops.iter().zip(lookups) {
             v = match op {
                 Op::Cast(dtype) => v.cast(*dtype),
                 Op::Affine { coefficients, .. } => {
@@ -297,6 +305,54 @@ fn write_out(src: &[u8], view: &NdView, ops: &[Op], out: DType, dst: &mut [u8]) 
         write(out, v, &mut dst[n * out_size..(n + 1) * out_size]);
         n += 1;
     });
+}
+
+/// [`write_out`]'s common cases a row (the last axis) at a time, with no
+/// per-element dispatch: a plain copy along any strides, and float32 through
+/// one affine conversion (normalize, `to_f32` scaling) into float32, computed
+/// exactly as the general path does (in f64, rounded to f32 once). False when
+/// neither applies.
+fn write_rows(src: &[u8], view: &NdView, ops: &[Op], lookups: &[Vec<(usize, u64)>], out: DType, dst: &mut [u8]) -> bool {
+    let rank = view.shape.len();
+    if rank == 0 || view.shape.contains(&0) {
+        return false;
+    }
+    let (coefficients, lookup): (Option<&[(f64, f64)]>, &[(usize, u64)]) = match (ops, lookups) {
+        ([], _) if out == view.dtype => (None, &[]),
+        ([Op::Affine { coefficients, .. }], [lookup]) if view.dtype == DType::F32 && out == DType::F32 => {
+            (Some(coefficients), lookup)
+        }
+        _ => return false,
+    };
+    let size = view.dtype.size();
+    let last = rank - 1;
+    let (n, stride) = (view.shape[last] as usize, view.strides[last]);
+    // The coefficient index is Σ index[pos] × m: the last axis's term varies along a row.
+    let m_last: u64 = lookup.iter().filter(|&&(pos, _)| pos == last).map(|&(_, m)| m).sum();
+    let outer = NdView { shape: view.shape[..last].to_vec(), strides: view.strides[..last].to_vec(), ..view.clone() };
+    let mut rows = dst.chunks_exact_mut(n * out.size());
+    for_each(&outer, |at, index| {
+        let Some(row) = rows.next() else { return };
+        let element = |k: usize| (at + k as i64 * stride) as usize * size;
+        match coefficients {
+            None => {
+                for (k, d) in row.chunks_exact_mut(size).enumerate() {
+                    let from = element(k);
+                    d.copy_from_slice(&src[from..from + size]);
+                }
+            }
+            Some(coefficients) => {
+                let base: u64 = lookup.iter().filter(|&&(pos, _)| pos != last).map(|&(pos, m)| index[pos] * m).sum();
+                for (k, d) in row.chunks_exact_mut(4).enumerate() {
+                    let from = element(k);
+                    let v = f32::from_ne_bytes(src[from..from + 4].try_into().expect("four bytes"));
+                    let (mul, add) = coefficients[(base + k as u64 * m_last) as usize];
+                    d.copy_from_slice(&((f64::from(v) * mul + add) as f32).to_ne_bytes());
+                }
+            }
+        }
+    });
+    true
 }
 
 impl Chain {
@@ -666,4 +722,35 @@ impl Chain {
 fn fmt_shape(shape: &[Option<u64>]) -> String {
     let dims: Vec<String> = shape.iter().map(|d| d.map_or_else(|| "?".to_string(), |d| d.to_string())).collect();
     format!("[{}]", dims.join(", "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The row-at-a-time paths write exactly what the element-at-a-time one does.
+    #[test]
+    fn row_paths_equal_the_general_path_through_permutes_flips_and_normalize() {
+        // [t=3, x=5, y=4, c=2] float32 → flip y, then channels-first [t, c, x, y].
+        let shape = vec![3u64, 5, 4, 2];
+        let n: u64 = shape.iter().product();
+        let src: Vec<u8> = (0..n).flat_map(|i| ((i as f32 - 37.5) * 0.37).to_ne_bytes()).collect();
+        let mut view = NdView::contiguous(Backing::Input, shape, vec![0, 1, 2, 3], DType::F32);
+        view.flip(2);
+        view.permute(&[0, 3, 1, 2]);
+        let affine = Op::Affine { ids: vec![3], dims: vec![2], coefficients: vec![(1.0 / 1.5, -0.1 / 1.5), (2.0, 0.4)] };
+        for ops in [vec![], vec![affine]] {
+            let lookups: Vec<Vec<(usize, u64)>> = match ops.first() {
+                Some(Op::Affine { .. }) => vec![vec![(1, 1)]], // axis id 3 sits at position 1 after the permute
+                _ => vec![],
+            };
+            let (mut fast, mut slow) = (vec![0u8; src.len()], vec![0u8; src.len()]);
+            assert!(write_rows(&src, &view, &ops, &lookups, DType::F32, &mut fast));
+            write_each(&src, &view, &ops, &lookups, DType::F32, &mut slow);
+            assert_eq!(fast, slow, "ops {ops:?}");
+        }
+        // Conversions it does not cover go the general way.
+        let cast = [Op::Cast(DType::F64)];
+        assert!(!write_rows(&src, &view, &cast, &[vec![]], DType::F64, &mut vec![0u8; src.len() * 2]));
+    }
 }
