@@ -60,7 +60,7 @@ def ensure_envs(root: Path, n: int) -> tuple[Path, Path]:
     return lr_path, hr_path
 
 
-def run_stoker(binary: str, lr: Path, hr: Path, threads: int, n: int, passes: int) -> list[float]:
+def run_stoker(binary: str, lr: Path, hr: Path, threads: int, n: int, passes: int, cache: bool) -> list[float]:
     import stoker
 
     steps = lambda side: [{"random_crop": side}, "hflip", {"to_f32": 1 / 255}, "chw"]  # noqa: E731
@@ -72,7 +72,10 @@ def run_stoker(binary: str, lr: Path, hr: Path, threads: int, n: int, passes: in
     )
     times = []
     with tempfile.TemporaryDirectory(prefix="stk-bench-") as tmp:
-        with Daemon(binary, Path(tmp), lr.parent, threads=threads, depth=8) as d:
+        # Without the sample cache, every epoch decodes every PNG (what DataLoader does);
+        # with it, decoded images are kept (before the random crop and flip).
+        extra = "[cache]\nsample_bytes = " + ("536870912" if cache else "0") + "\n"
+        with Daemon(binary, Path(tmp), lr.parent, threads=threads, depth=8, extra=extra) as d:
             loader = stoker.Loader(spec, batch_size=BATCH, shuffle=True, seed=0, socket=d.socket)
             for epoch in range(passes):
                 loader.set_epoch(epoch)
@@ -135,7 +138,10 @@ def main() -> int:
         warm_page_cache(env / "data.mdb")
     _LR_PATH = str(lr)
     settings = {
-        "stoker, 2 worker threads": lambda: run_stoker(binary, lr, hr, 2, a.n, a.passes),
+        "stoker, 2 worker threads, sample cache off": lambda: run_stoker(binary, lr, hr, 2, a.n, a.passes, False),
+        "stoker, 2 worker threads, sample cache on (epochs 2+ hit)": lambda: run_stoker(
+            binary, lr, hr, 2, a.n, a.passes + 1, True
+        )[1:],
         **{
             f"DataLoader + Pillow, {w} worker{'s' if w > 1 else ''} (persistent)": (
                 lambda w=w: lmdb_jpeg.run_dataloader(hr, a.n, a.passes, w, BATCH, _load_pair)
