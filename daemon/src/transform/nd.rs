@@ -312,7 +312,14 @@ fn write_each(src: &[u8], view: &NdView, ops: &[Op], lookups: &[Vec<(usize, u64)
 /// one affine conversion (normalize, `to_f32` scaling) into float32, computed
 /// exactly as the general path does (in f64, rounded to f32 once). False when
 /// neither applies.
-fn write_rows(src: &[u8], view: &NdView, ops: &[Op], lookups: &[Vec<(usize, u64)>], out: DType, dst: &mut [u8]) -> bool {
+fn write_rows(
+    src: &[u8],
+    view: &NdView,
+    ops: &[Op],
+    lookups: &[Vec<(usize, u64)>],
+    out: DType,
+    dst: &mut [u8],
+) -> bool {
     let rank = view.shape.len();
     if rank == 0 || view.shape.contains(&0) {
         return false;
@@ -738,7 +745,8 @@ mod tests {
         let mut view = NdView::contiguous(Backing::Input, shape, vec![0, 1, 2, 3], DType::F32);
         view.flip(2);
         view.permute(&[0, 3, 1, 2]);
-        let affine = Op::Affine { ids: vec![3], dims: vec![2], coefficients: vec![(1.0 / 1.5, -0.1 / 1.5), (2.0, 0.4)] };
+        let affine =
+            Op::Affine { ids: vec![3], dims: vec![2], coefficients: vec![(1.0 / 1.5, -0.1 / 1.5), (2.0, 0.4)] };
         for ops in [vec![], vec![affine]] {
             let lookups: Vec<Vec<(usize, u64)>> = match ops.first() {
                 Some(Op::Affine { .. }) => vec![vec![(1, 1)]], // axis id 3 sits at position 1 after the permute
