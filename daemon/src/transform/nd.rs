@@ -324,10 +324,10 @@ fn write_rows(
     if rank == 0 || view.shape.contains(&0) {
         return false;
     }
-    let (coefficients, lookup): (Option<&[(f64, f64)]>, &[(usize, u64)]) = match (ops, lookups) {
-        ([], _) if out == view.dtype => (None, &[]),
+    let (coefficients, lookup) = match (ops, lookups) {
+        ([], _) if out == view.dtype => (None, &[][..]),
         ([Op::Affine { coefficients, .. }], [lookup]) if view.dtype == DType::F32 && out == DType::F32 => {
-            (Some(coefficients), lookup)
+            (Some(coefficients.as_slice()), lookup.as_slice())
         }
         _ => return false,
     };
