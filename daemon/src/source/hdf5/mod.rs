@@ -794,6 +794,7 @@ fn open_file(
             Role::Item => rest.to_vec(),
             Role::Steps { count, .. } => {
                 // `rest` follows the item axis; a time_only field's is its whole shape.
+                let axis = if rest.len() == shape.len() { 0 } else { 1 };
                 let Some((&time, trailing)) = rest.split_first() else {
                     return Err(field_err(format!(
                         "has shape {shape:?}; a windowed field needs a time axis (axis 1); list it in per_item \
@@ -807,7 +808,8 @@ fn open_file(
                     None => steps = Some((time, name)),
                     Some((first_time, first_name)) if first_time != time => {
                         return Err(field_err(format!(
-                            "has {time} steps along axis 1 but windowed field {first_name:?} has {first_time}"
+                            "has {time} steps along axis {axis} (its time axis) but windowed field {first_name:?} has \
+                         {first_time}"
                         )));
                     }
                     Some(_) => {}
