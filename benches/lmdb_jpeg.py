@@ -139,7 +139,9 @@ def run_stoker(binary: str, env: Path, threads: int, n: int, passes: int, whole:
     )
     times = []
     with tempfile.TemporaryDirectory(prefix="stk-bench-") as tmp:
-        with Daemon(binary, Path(tmp), env.parent, threads=threads, depth=4) as d:
+        # The sample cache off: every epoch decodes every JPEG, as DataLoader does
+        # (benches/lmdb_png_pairs.py shows what the cache adds).
+        with Daemon(binary, Path(tmp), env.parent, threads=threads, depth=4, extra="[cache]\nsample_bytes = 0\n") as d:
             loader = stoker.Loader(spec, batch_size=BATCH, shuffle=True, seed=0, socket=d.socket)
             assert loader.fields["image"] == (np.dtype(np.float32), (3, CROP, CROP)), loader.fields
             for epoch in range(passes):
