@@ -206,6 +206,10 @@ pub struct Scratch {
     resizer: resize::Resizer,
 }
 
+/// Largest follower-to-leader size ratio of a pair (BasicSR uses 2–4; the
+/// bound keeps every product of a leader's size and the scale far from overflow).
+pub const MAX_PAIR_SCALE: u64 = 64;
+
 /// A field's transforms, validated.
 #[derive(Debug, Clone)]
 pub struct Chain {
@@ -307,8 +311,12 @@ impl Chain {
             }
         }
         if let Some(pair) = &pair {
-            if pair.scale == 0 {
-                return Err(invalid("pair scale must be at least 1".into()));
+            if pair.scale == 0 || pair.scale > MAX_PAIR_SCALE {
+                return Err(invalid(format!(
+                    "pair scale {} is outside 1..={MAX_PAIR_SCALE} (the follower's size over its leader's, e.g. 4 for ×4 \
+                     super-resolution)",
+                    pair.scale
+                )));
             }
             if pair.with == field {
                 return Err(invalid("a field cannot pair with itself".into()));
@@ -593,13 +601,13 @@ impl Chain {
         let mut lead = match (&self.pair, leader_shape) {
             (None, _) => (h, w),
             (Some(pair), Some(&[lh, lw, ..])) => {
-                if h != pair.scale * lh || w != pair.scale * lw {
+                if Some(h) != pair.scale.checked_mul(lh) || Some(w) != pair.scale.checked_mul(lw) {
                     return Err(err(format!(
                         "is {h}×{w} but {:?} is {lh}×{lw}: at scale {} they must be {}×{}",
                         pair.with,
                         pair.scale,
-                        pair.scale * lh,
-                        pair.scale * lw
+                        pair.scale.saturating_mul(lh),
+                        pair.scale.saturating_mul(lw)
                     )));
                 }
                 (lh, lw)

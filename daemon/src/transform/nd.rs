@@ -527,13 +527,13 @@ impl Chain {
             (Some(pair), Some(leader)) => {
                 let lroles = Roles::of(self.spatial, leader.len()).map_err(&err)?;
                 let (lh, lw) = (leader[lroles.y], leader[lroles.x]);
-                if h != pair.scale * lh || w != pair.scale * lw {
+                if Some(h) != pair.scale.checked_mul(lh) || Some(w) != pair.scale.checked_mul(lw) {
                     return Err(err(format!(
                         "is {h}×{w} but {:?} is {lh}×{lw}: at scale {} they must be {}×{}",
                         pair.with,
                         pair.scale,
-                        pair.scale * lh,
-                        pair.scale * lw
+                        pair.scale.saturating_mul(lh),
+                        pair.scale.saturating_mul(lw)
                     )));
                 }
                 (lh, lw)

@@ -249,6 +249,10 @@ fn pairing_is_checked() {
     assert!(chained.check_pair(&good).is_err(), "no chains of followers");
     assert!(Chain::new("lr", vec![], Some(Pair { with: "lr".into(), scale: 2 })).is_err());
     assert!(Chain::new("hr", vec![], Some(Pair { with: "lr".into(), scale: 0 })).is_err());
+    // A hostile scale whose products with a leader's size would wrap (2^63 + 1 times 2 is 2 mod 2^64).
+    let huge = Chain::new("hr", vec![], Some(Pair { with: "lr".into(), scale: (1 << 63) + 1 })).unwrap_err();
+    assert!(huge.to_string().contains("outside 1..=64"), "{huge}");
+    assert!(Chain::new("hr", vec![], Some(Pair { with: "lr".into(), scale: MAX_PAIR_SCALE })).is_ok());
 }
 
 #[test]
