@@ -477,3 +477,64 @@ fn paired_nd_chains_rotate_and_crop_together() {
         assert_eq!(b, blow_up(&a, 2, 2, 1, 2), "sample {i}");
     }
 }
+
+/// The element-at-a-time writer the row paths of `write_out` replaced: every
+/// element through `reader` and `mul_add`, indexed by `View::at`.
+fn write_out_by_element(src: &[u8], view: &View, affine: &Affine, chw: bool, dst: &mut [u8]) {
+    let (h, w, c) = (view.h as usize, view.w as usize, view.c as usize);
+    let size = view.dtype.size();
+    let dst_index = |y: usize, x: usize, ch: usize| if chw { (ch * h + y) * w + x } else { (y * w + x) * c + ch };
+    let read = reader(view.dtype);
+    for y in 0..h {
+        for x in 0..w {
+            let at = view.at(y as u64, x as u64) as usize;
+            for ch in 0..c {
+                let from = (at + ch) * size;
+                match &affine.coefficients {
+                    None => {
+                        let to = dst_index(y, x, ch) * size;
+                        dst[to..to + size].copy_from_slice(&src[from..from + size]);
+                    }
+                    Some(coefficients) => {
+                        let (mul, add) = coefficients[ch];
+                        let value = read(&src[from..from + size]).mul_add(mul as f32, add as f32);
+                        let to = dst_index(y, x, ch) * 4;
+                        dst[to..to + 4].copy_from_slice(&value.to_ne_bytes());
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn row_writer_equals_the_element_writer_for_every_dtype_flip_crop_and_layout() {
+    let (h, w) = (7u64, 9u64);
+    for dtype in [DType::U8, DType::U16, DType::I16, DType::F32, DType::F64, DType::F16] {
+        for c in [1u64, 3, 4] {
+            let n = (h * w * c) as usize * dtype.size();
+            // Every byte pattern, NaN and infinities included for the float types.
+            let src: Vec<u8> = (0..n).map(|i| (i as u64).wrapping_mul(0x9E37_79B9).rotate_left(7) as u8).collect();
+            for flipped in [false, true] {
+                let mut view = View { backing: Backing::Input, offset: 0, h, w, c, stride: w * c, flipped, dtype };
+                view.crop(1, 2, 5, 6).unwrap();
+                let mut normalized = Affine::identity(c as usize);
+                normalized.then_scale(1.0 / 255.0);
+                normalized.then_normalize(
+                    &[0.485, 0.456, 0.406, 0.5][..c as usize],
+                    &[0.229, 0.224, 0.225, 0.25][..c as usize],
+                );
+                for affine in [Affine::identity(c as usize), normalized] {
+                    for chw in [false, true] {
+                        let out_size = if affine.is_identity() { dtype.size() } else { 4 };
+                        let bytes = (view.h * view.w * c) as usize * out_size;
+                        let (mut got, mut want) = (vec![0xAAu8; bytes], vec![0x55u8; bytes]);
+                        write_out(&src, &view, &affine, chw, &mut got);
+                        write_out_by_element(&src, &view, &affine, chw, &mut want);
+                        assert_eq!(got, want, "{dtype} c={c} flipped={flipped} chw={chw} affine={affine:?}");
+                    }
+                }
+            }
+        }
+    }
+}
