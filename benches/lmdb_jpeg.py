@@ -281,8 +281,6 @@ def main() -> int:
     settings = {
         "stoker, 1 worker thread": lambda: run_stoker(binary, env, 1, a.n, a.passes),
         "stoker, 2 worker threads": lambda: run_stoker(binary, env, 2, a.n, a.passes),
-        "stoker, 1 worker thread, whole-image decode": lambda: run_stoker(binary, env, 1, a.n, a.passes, True),
-        "stoker, 2 worker threads, whole-image decode": lambda: run_stoker(binary, env, 2, a.n, a.passes, True),
         "Pillow + numpy, 2-process pool (batches pickled back)": lambda: run_pool(env, a.n, a.passes, 2, True),
         "Pillow + numpy, 2-process pool (nothing sent back)": lambda: run_pool(env, a.n, a.passes, 2, False),
         "DataLoader + Pillow, 1 worker (persistent)": lambda: run_dataloader(env, a.n, a.passes, 1),
