@@ -12,6 +12,7 @@ Pillow + numpy. Medians of --passes epochs.
 
     python benches/lmdb_png_pairs.py           # 800 pairs, 3 passes
     python benches/lmdb_png_pairs.py --quick   # 128 pairs, one pass
+    python benches/lmdb_png_pairs.py --rot     # BasicSR's use_rot too: + vflip, rot90
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from lmdb_jpeg import synthetic_photo  # noqa: E402
 SCALE = 4
 LR_CROP = 32
 BATCH = 16
+# --rot: BasicSR's `augment(hflip=True, rotation=True)`, random vflip and
+# transpose as well (stoker: `vflip`, `rot90`, the n-dimensional engine).
+ROT = False
 
 
 def ensure_envs(root: Path, n: int) -> tuple[Path, Path]:
@@ -63,7 +67,8 @@ def ensure_envs(root: Path, n: int) -> tuple[Path, Path]:
 def run_stoker(binary: str, lr: Path, hr: Path, threads: int, n: int, passes: int, cache: bool) -> list[float]:
     import stoker
 
-    steps = lambda side: [{"random_crop": side}, "hflip", {"to_f32": 1 / 255}, "chw"]  # noqa: E731
+    flips = ["hflip", "vflip", "rot90"] if ROT else ["hflip"]
+    steps = lambda side: [{"random_crop": side}, *flips, {"to_f32": 1 / 255}, "chw"]  # noqa: E731
     spec = stoker.lmdb(
         {"lr": lr, "hr": hr},
         fields={"lr": "png", "hr": "png"},
@@ -110,6 +115,11 @@ def _load_pair(i: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
     hr = hr[top * SCALE : top * SCALE + s, left * SCALE : left * SCALE + s]
     if rng.random() < 0.5:
         lr, hr = lr[:, ::-1], hr[:, ::-1]
+    if ROT:
+        if rng.random() < 0.5:
+            lr, hr = lr[::-1], hr[::-1]
+        k = int(rng.integers(0, 4))
+        lr, hr = np.rot90(lr, k), np.rot90(hr, k)
     out = []
     for a in (lr, hr):
         x = a.astype(np.float32)
@@ -122,14 +132,16 @@ _LR_PATH = ""
 
 
 def main() -> int:
-    global _LR_PATH
+    global _LR_PATH, ROT
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=800)
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--dir", default="/tmp/stoker-bench")
     p.add_argument("--stoker", default=None)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--rot", action="store_true", help="also random vflip and rot90 (BasicSR's use_rot)")
     a = p.parse_args()
+    ROT = a.rot
     if a.quick:
         a.n, a.passes = 128, 1
     binary = stoker_bin(a.stoker)

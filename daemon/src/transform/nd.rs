@@ -279,9 +279,102 @@ fn write_out(src: &[u8], view: &NdView, ops: &[Op], out: DType, dst: &mut [u8]) 
             Op::Cast(_) => Vec::new(),
         })
         .collect();
-    if !write_rows(src, view, ops, &lookups, out, dst) {
+    if !write_rows(src, view, ops, &lookups, out, dst) && !write_tabled(src, view, ops, &lookups, out, dst) {
         write_each(src, view, ops, &lookups, out, dst);
     }
+}
+
+/// Most coefficient sets [`write_tabled`] tabulates (256 entries each).
+const MAX_TABLES: usize = 64;
+
+/// [`write_out`] for one-byte input (uint8, int8, bool) through any ops whose
+/// coefficients share one index (the common `to_f32` then per-channel
+/// `normalize`): every (coefficient set, byte value) is run through the ops
+/// once, as [`write_each`] would, into a table, and rows copy from it. False
+/// when the input is wider or the ops index coefficients differently.
+fn write_tabled(
+    src: &[u8],
+    view: &NdView,
+    ops: &[Op],
+    lookups: &[Vec<(usize, u64)>],
+    out: DType,
+    dst: &mut [u8],
+) -> bool {
+    let rank = view.shape.len();
+    if view.dtype.size() != 1 || ops.is_empty() || rank == 0 || view.shape.contains(&0) {
+        return false;
+    }
+    // The one index all indexed ops share (none: every op has one coefficient).
+    let mut indexed = lookups.iter().filter(|l| !l.is_empty());
+    let lookup = indexed.next().map_or(&[][..], Vec::as_slice);
+    if indexed.any(|l| l.as_slice() != lookup) {
+        return false;
+    }
+    let sets = ops
+        .iter()
+        .map(|op| match op {
+            Op::Affine { coefficients, .. } => coefficients.len(),
+            Op::Cast(_) => 1,
+        })
+        .max()
+        .unwrap_or(1);
+    if sets > MAX_TABLES {
+        return false;
+    }
+    let out_size = out.size();
+    let mut table = vec![0u8; sets * 256 * out_size];
+    for (i, entry) in table.chunks_exact_mut(out_size).enumerate() {
+        let (set, byte) = (i / 256, [(i % 256) as u8]);
+        let mut v = read(view.dtype, &byte);
+        for op in ops {
+            v = match op {
+                Op::Cast(dtype) => v.cast(*dtype),
+                Op::Affine { coefficients, .. } => {
+                    let (mul, add) = coefficients[if coefficients.len() == 1 { 0 } else { set }];
+                    Num::F(f64::from((v.f64() * mul + add) as f32))
+                }
+            };
+        }
+        write(out, v, entry);
+    }
+    let last = rank - 1;
+    let (n, stride) = (view.shape[last] as usize, view.strides[last]);
+    let m_last: u64 = lookup.iter().filter(|&&(pos, _)| pos == last).map(|&(_, m)| m).sum();
+    let outer = NdView { shape: view.shape[..last].to_vec(), strides: view.strides[..last].to_vec(), ..view.clone() };
+    let rows = dst.chunks_exact_mut(n * out_size);
+    let bases = |index: &[u64]| lookup.iter().filter(|&&(pos, _)| pos != last).map(|&(pos, m)| index[pos] * m).sum();
+    match out_size {
+        1 => tabled_rows::<1>(src, &outer, &table, stride, m_last, rows, bases),
+        2 => tabled_rows::<2>(src, &outer, &table, stride, m_last, rows, bases),
+        4 => tabled_rows::<4>(src, &outer, &table, stride, m_last, rows, bases),
+        _ => tabled_rows::<8>(src, &outer, &table, stride, m_last, rows, bases),
+    }
+    true
+}
+
+/// [`write_tabled`]'s rows, for `N`-byte output elements (a fixed-size copy
+/// per element, not a `memcpy` call): element `k` of the row at `at` is
+/// table entry (`base(index)` + `k` × `m_last`, its byte).
+fn tabled_rows<'d, const N: usize>(
+    src: &[u8],
+    outer: &NdView,
+    table: &[u8],
+    stride: i64,
+    m_last: u64,
+    mut rows: impl Iterator<Item = &'d mut [u8]>,
+    base: impl Fn(&[u64]) -> u64,
+) {
+    let (entries, _) = table.as_chunks::<N>();
+    for_each(outer, |at, index| {
+        let Some(row) = rows.next() else { return };
+        let (outs, _) = row.as_chunks_mut::<N>();
+        let base = base(index) as usize * 256;
+        let m_last = m_last as usize * 256;
+        for (k, d) in outs.iter_mut().enumerate() {
+            let byte = src[(at + k as i64 * stride) as usize] as usize;
+            *d = entries[base + k * m_last + byte];
+        }
+    });
 }
 
 /// [`write_out`] an element at a time: any dtypes, any conversions.
@@ -760,5 +853,43 @@ mod tests {
         // Conversions it does not cover go the general way.
         let cast = [Op::Cast(DType::F64)];
         assert!(!write_rows(&src, &view, &cast, &[vec![]], DType::F64, &mut vec![0u8; src.len() * 2]));
+    }
+
+    #[test]
+    fn byte_tables_equal_the_general_path() {
+        // [x=5, y=4, c=3] bytes → rot90-like swap and flip, channels first.
+        let shape = vec![5u64, 4, 3];
+        let n: u64 = shape.iter().product();
+        let src: Vec<u8> = (0..n).map(|i| (i * 37 % 256) as u8).collect();
+        let scale = Op::Affine { ids: vec![], dims: vec![], coefficients: vec![(1.0 / 255.0, 0.0)] };
+        let normalize = Op::Affine {
+            ids: vec![2],
+            dims: vec![3],
+            coefficients: vec![(1.0 / 0.229, -0.485 / 0.229), (1.0 / 0.224, -0.456 / 0.224), (0.5, 0.25)],
+        };
+        for dtype in [DType::U8, DType::I8, DType::Bool] {
+            let mut view = NdView::contiguous(Backing::Input, shape.clone(), vec![0, 1, 2], dtype);
+            view.swap(0, 1);
+            view.flip(1);
+            view.permute(&[2, 0, 1]);
+            // Axis id 2 (channels) sits at position 0 after the permute.
+            let cases: Vec<(Vec<Op>, Vec<Vec<(usize, u64)>>, DType)> = vec![
+                (vec![scale.clone()], vec![vec![]], DType::F32),
+                (vec![scale.clone(), normalize.clone()], vec![vec![], vec![(0, 1)]], DType::F32),
+                (vec![Op::Cast(DType::F64), normalize.clone()], vec![vec![], vec![(0, 1)]], DType::F32),
+                (vec![normalize.clone(), Op::Cast(DType::I16)], vec![vec![(0, 1)], vec![]], DType::I16),
+                (vec![Op::Cast(DType::U16)], vec![vec![]], DType::U16),
+            ];
+            for (ops, lookups, out) in cases {
+                let bytes = n as usize * out.size();
+                let (mut fast, mut slow) = (vec![0xAAu8; bytes], vec![0x55u8; bytes]);
+                assert!(write_tabled(&src, &view, &ops, &lookups, out, &mut fast), "{dtype} {ops:?}");
+                write_each(&src, &view, &ops, &lookups, out, &mut slow);
+                assert_eq!(fast, slow, "{dtype} ops {ops:?}");
+            }
+        }
+        // Wider input, or ops indexing coefficients differently, go the general way.
+        let view = NdView::contiguous(Backing::Input, shape.clone(), vec![0, 1, 2], DType::U16);
+        assert!(!write_tabled(&src, &view, &[scale], &[vec![]], DType::F32, &mut vec![0u8; n as usize * 4]));
     }
 }
