@@ -873,7 +873,8 @@ mod tests {
             view.flip(1);
             view.permute(&[2, 0, 1]);
             // Axis id 2 (channels) sits at position 0 after the permute.
-            let cases: Vec<(Vec<Op>, Vec<Vec<(usize, u64)>>, DType)> = vec![
+            type Lookups = Vec<Vec<(usize, u64)>>;
+            let cases: Vec<(Vec<Op>, Lookups, DType)> = vec![
                 (vec![scale.clone()], vec![vec![]], DType::F32),
                 (vec![scale.clone(), normalize.clone()], vec![vec![], vec![(0, 1)]], DType::F32),
                 (vec![Op::Cast(DType::F64), normalize.clone()], vec![vec![], vec![(0, 1)]], DType::F32),
