@@ -3,7 +3,7 @@
 //! or bit-shuffled. Inner codecs: BloscLZ, LZ4/LZ4HC, zlib and zstd; snappy
 //! is reported unsupported.
 
-use super::codec::{self, Contexts, read_u32_le};
+use super::codec::{self, Codecs, Contexts, read_u32_le};
 use super::shuffle::{unshuffle, untrans_bit_elem};
 use super::{FilterError, corrupt, size_mismatch, truncated};
 
@@ -21,9 +21,9 @@ const MAX_SPLITS: usize = 16;
 /// ...and blocks of at least this many elements.
 const MIN_BUFFERSIZE: usize = 128;
 
-/// Inner codec, from the top three bits of the flags byte.
+/// Inner codec, from the top three bits of the flags byte (shared with Blosc2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Format {
+pub(crate) enum Format {
     BloscLz,
     Lz4,
     Zlib,
@@ -31,7 +31,7 @@ enum Format {
 }
 
 impl Format {
-    fn from_flags(flags: u8) -> Result<Format, FilterError> {
+    pub(crate) fn from_flags(flags: u8) -> Result<Format, FilterError> {
         match flags >> 5 {
             0 => Ok(Format::BloscLz),
             1 => Ok(Format::Lz4),
@@ -48,6 +48,17 @@ impl Format {
             Format::Lz4 => "blosc/lz4",
             Format::Zlib => "blosc/zlib",
             Format::Zstd => "blosc/zstd",
+        }
+    }
+
+    /// Decompresses one stream into exactly `piece`.
+    pub(crate) fn decompress(self, input: &[u8], piece: &mut [u8], codecs: &mut Codecs<'_>) -> Result<(), FilterError> {
+        let name = self.name();
+        match self {
+            Format::BloscLz => codec::blosclz(input, piece),
+            Format::Lz4 => codec::lz4_block(name, input, piece),
+            Format::Zlib => codec::inflate_as(name, input, piece, codecs.inflate()),
+            Format::Zstd => codec::zstd_as(name, input, piece, codecs.zstd()?),
         }
     }
 }
@@ -170,13 +181,7 @@ fn decode_block(
         if csize == neblock {
             piece.copy_from_slice(input);
         } else {
-            let name = format.name();
-            match format {
-                Format::BloscLz => codec::blosclz(input, piece)?,
-                Format::Lz4 => codec::lz4_block(name, input, piece)?,
-                Format::Zlib => codec::inflate_as(name, input, piece, codecs.inflate())?,
-                Format::Zstd => codec::zstd_as(name, input, piece, codecs.zstd()?)?,
-            }
+            format.decompress(input, piece, &mut codecs)?;
         }
         pos += csize;
     }

@@ -1,6 +1,7 @@
 //! Undoes HDF5 filter pipelines on raw chunk bytes, in Rust and outside
 //! libhdf5's global lock: deflate, shuffle, fletcher32, lzf, and the
-//! registered plugins lz4, zstd, bitshuffle and blosc (1.x frames).
+//! registered plugins lz4, zstd, bitshuffle, blosc (1.x frames) and blosc2
+//! (frames of Blosc2 chunks, b2nd arrays included).
 //!
 //! Pure functions over byte slices: no HDF5 calls and no I/O. The caller reads
 //! the pipeline once (`H5Pget_filter2`), asks [`unsupported_reason`] whether
@@ -14,6 +15,7 @@
 //! decoded size, which the caller derives from the dataset's metadata.
 
 mod blosc;
+mod blosc2;
 mod checksum;
 mod codec;
 mod shuffle;
@@ -42,6 +44,8 @@ pub mod id {
     pub const LZF: u32 = 32000;
     /// Blosc 1.x.
     pub const BLOSC: u32 = 32001;
+    /// Blosc2 (hdf5-blosc2: PyTables ≥ 3.8, hdf5plugin), including b2nd chunks.
+    pub const BLOSC2: u32 = 32026;
     /// The HDF5 LZ4 plugin.
     pub const LZ4: u32 = 32004;
     /// Bitshuffle, optionally with LZ4 or zstd.
@@ -166,6 +170,7 @@ enum Stage {
     Zstd,
     Bitshuffle(shuffle::BitshuffleParams),
     Blosc,
+    Blosc2,
 }
 
 impl Stage {
@@ -198,6 +203,10 @@ impl Stage {
                 }
                 Stage::Blosc
             }
+            // Each chunk is a self-describing frame; the client data
+            // (revision, sizes, level, shuffle, codec, b2nd rank and shape)
+            // only repeat what the frame says.
+            id::BLOSC2 => Stage::Blosc2,
             id::SZIP => return Err(unsupported("szip")),
             id::NBIT => return Err(unsupported("n-bit packing")),
             id::SCALEOFFSET => return Err(unsupported("scale-offset")),
@@ -215,7 +224,7 @@ impl Stage {
         match self {
             Stage::Shuffle { .. } | Stage::Fletcher32 => false,
             Stage::Bitshuffle(params) => params.compresses(),
-            Stage::Deflate | Stage::Lzf | Stage::Lz4 | Stage::Zstd | Stage::Blosc => true,
+            Stage::Deflate | Stage::Lzf | Stage::Lz4 | Stage::Zstd | Stage::Blosc | Stage::Blosc2 => true,
         }
     }
 }
@@ -447,6 +456,7 @@ fn run_stage(stage: Stage, src: &[u8], dst: &mut [u8], ctx: &mut codec::Contexts
         Stage::Zstd => codec::zstd(src, dst, ctx.zstd()?),
         Stage::Bitshuffle(params) => shuffle::bitshuffle_filter(src, dst, params, ctx),
         Stage::Blosc => blosc::decode(src, dst, ctx),
+        Stage::Blosc2 => blosc2::decode(src, dst, ctx),
         Stage::Fletcher32 => unreachable!("fletcher32 does not copy"),
     }
 }

@@ -79,7 +79,9 @@ fn decodes_chunks_written_by_libhdf5() {
 #[test]
 fn fixtures_cover_every_filter() {
     let all = fixtures();
-    for id in [id::DEFLATE, id::SHUFFLE, id::FLETCHER32, id::LZF, id::BLOSC, id::LZ4, id::BITSHUFFLE, id::ZSTD] {
+    for id in
+        [id::DEFLATE, id::SHUFFLE, id::FLETCHER32, id::LZF, id::BLOSC, id::LZ4, id::BITSHUFFLE, id::ZSTD, id::BLOSC2]
+    {
         assert!(all.iter().any(|f| f.pipeline.iter().any(|p| p.id == id)), "no fixture for filter {id}");
     }
     // Blosc frames of every inner codec, and chunks libhdf5 stored unfiltered.
@@ -357,6 +359,7 @@ fn random_bytes_never_panic() {
         vec![spec(id::BITSHUFFLE, &[0, 4, 4, 0, 2])],
         vec![spec(id::BITSHUFFLE, &[0, 4, 2, 16, 3])],
         vec![spec(id::BLOSC, &[])],
+        vec![spec(id::BLOSC2, &[])],
     ];
     let mut x = 0x9e37_79b9u32;
     let mut next = move || {
@@ -463,4 +466,62 @@ fn throughput() {
         let ratio = raw.len() as f64 / stored.len() as f64;
         println!("{name:28} {ratio:8.2} {:10.0}", (CHUNKS * CHUNK) as f64 / secs / 1e6);
     }
+}
+
+/// Blosc2 frames from hdf5plugin with random bytes overwritten (sizes,
+/// offsets, metalayer dimensions, block starts, stream sizes): every result
+/// is a value or an error, never a panic, and nothing is allocated past the
+/// chunk's own bounds (a hostile size would abort the test binary).
+#[test]
+fn mutated_blosc2_frames_never_panic() {
+    let frames: Vec<Fixture> = fixtures()
+        .into_iter()
+        .filter(|f| f.pipeline.iter().any(|p| p.id == id::BLOSC2) && f.filter_mask == 0)
+        .collect();
+    assert!(frames.len() >= 5, "blosc2 fixtures: {}", frames.len());
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let mut out = Vec::new();
+    let mut errors = 0;
+    for f in &frames {
+        for _ in 0..1500 {
+            let mut bad = f.stored.clone();
+            for _ in 0..1 + next() % 4 {
+                // Mostly the frame header and the first chunk's header and block starts.
+                let at =
+                    if next() % 4 == 0 { next() as usize % bad.len() } else { next() as usize % bad.len().min(256) };
+                bad[at] = match next() % 4 {
+                    0 => 0xff,
+                    1 => 0x7f,
+                    2 => 0,
+                    _ => next() as u8,
+                };
+            }
+            let result = decode_chunk(&f.pipeline, 0, &bad, f.element_size, f.chunk_bytes, &mut out);
+            match result {
+                Ok(()) => assert_eq!(out.len(), f.chunk_bytes),
+                Err(_) => errors += 1,
+            }
+        }
+    }
+    assert!(errors > 0);
+}
+
+#[test]
+fn blosc2_fixtures_decode_in_rust() {
+    let mut out = Vec::new();
+    let mut b2nd = 0;
+    for f in fixtures().into_iter().filter(|f| f.pipeline.iter().any(|p| p.id == id::BLOSC2) && f.filter_mask == 0) {
+        assert_eq!(unsupported_reason(&f.pipeline), None, "{}", f.name);
+        decode_chunk(&f.pipeline, 0, &f.stored, f.element_size, f.chunk_bytes, &mut out)
+            .unwrap_or_else(|e| panic!("{}: {e}", f.name));
+        assert!(out == f.expected, "{}: differs from libhdf5's", f.name);
+        b2nd += usize::from(f.stored.windows(4).any(|w| w == b"b2nd"));
+    }
+    assert!(b2nd >= 3, "b2nd frames among the fixtures: {b2nd}");
 }

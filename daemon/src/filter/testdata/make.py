@@ -186,6 +186,24 @@ with tempfile.TemporaryDirectory() as tmp:
         make(f, "blosc_blosclz_ramp_i4", (np.arange(1024) // 5).astype("<i4"), (1024,), "blosclz, no shuffle",
              **B(cname="blosclz", shuffle=B.NOSHUFFLE))
 
+        # Blosc2 frames (hdf5-blosc2, filter 32026): a plain chunk per frame for
+        # 1-D chunks, a b2nd array (blocks padded to the block shape) for 2-D+.
+        B2 = hdf5plugin.Blosc2
+        make(f, "blosc2_lz4_shuffle_f32", f32, (n,), "1-D frame, lz4, byte shuffle",
+             **B2(cname="lz4", filters=B2.SHUFFLE))
+        make(f, "blosc2_zstd_bitshuffle_odd", smooth(1001, "<i2"), (1001,), "1-D frame, zstd, bit shuffle, 1001 elements",
+             **B2(cname="zstd", filters=B2.BITSHUFFLE))
+        make(f, "blosc2_blosclz_noshuffle_f64", (np.arange(512) // 3).astype("<f8"), (512,), "blosclz, no filter",
+             **B2(cname="blosclz", filters=B2.NOFILTER))
+        make(f, "blosc2_b2nd_zlib_2d", smooth(30 * 50, "<f4").reshape(30, 50), (30, 50),
+             "b2nd 30×50, zlib, byte shuffle", **B2(cname="zlib", filters=B2.SHUFFLE))
+        make(f, "blosc2_b2nd_lz4hc_3d", smooth(7 * 9 * 11, "<i2").reshape(7, 9, 11), (7, 9, 11),
+             "b2nd 7×9×11 (padded blocks), lz4hc, bit shuffle", **B2(cname="lz4hc", filters=B2.BITSHUFFLE))
+        make(f, "blosc2_b2nd_zeros_2d", np.zeros((64, 64), "<f8"), (64, 64), "b2nd, all zeros: special chunk",
+             **B2(cname="zstd"))
+        make(f, "blosc2_b2nd_zstd_blocks_4d", (np.arange(6 * 40 * 40 * 3) // 7).astype("<u2").reshape(6, 40, 40, 3),
+             (6, 40, 40, 3), "b2nd 4-D, several blocks", **B2(cname="zstd", clevel=1, filters=B2.SHUFFLE))
+
     with h5py.File(os.path.join(tmp, "fixtures.h5"), "r") as f:
         for name, note in todo:
             dump_now(name, f[name], note)
