@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Decode throughput of a gzip-chunked f32 HDF5 dataset.
+"""Decode throughput of a gzip- (or Blosc2-) chunked f32 HDF5 dataset.
 
 Compares, on the same page-cached file, in one run:
 
@@ -18,6 +18,9 @@ and samples/s, median of --passes runs, and the 2-thread/1-thread ratio.
 
     python benches/hdf5_decode.py                # ~300 MB decoded, writes docs/performance-hdf5-decode.md
     python benches/hdf5_decode.py --mb 50 --out - # quicker, prints only
+    python benches/hdf5_decode.py --filter blosc2 # Blosc2 (zstd + shuffle, b2nd chunks):
+        # stoker's Rust decoder vs c-blosc2 through hdf5plugin in libhdf5 and in h5py,
+        # writes docs/performance-hdf5-blosc2.md
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ CHUNK_ROWS = 16  # 1 MiB chunks
 BATCH = 64
 
 
-def ensure_file(path: Path, n: int) -> None:
+def ensure_file(path: Path, n: int, filter: str = "gzip") -> None:
     if path.exists():
         with h5py.File(path) as f:
             if f["x"].shape == (n, ELEMS):
@@ -51,7 +54,13 @@ def ensure_file(path: Path, n: int) -> None:
     rng = np.random.default_rng(0)
     tmp = path.with_suffix(".tmp")
     with h5py.File(tmp, "w") as f:
-        ds = f.create_dataset("x", shape=(n, ELEMS), dtype="<f4", chunks=(CHUNK_ROWS, ELEMS), compression="gzip", compression_opts=4, shuffle=True)
+        if filter == "blosc2":
+            import hdf5plugin
+
+            kw = dict(hdf5plugin.Blosc2(cname="zstd", clevel=5, filters=hdf5plugin.Blosc2.SHUFFLE))
+        else:
+            kw = {"compression": "gzip", "compression_opts": 4, "shuffle": True}
+        ds = f.create_dataset("x", shape=(n, ELEMS), dtype="<f4", chunks=(CHUNK_ROWS, ELEMS), **kw)
         for i in range(0, n, 256):
             k = min(256, n - i)
             # Smooth signals plus noise quantized to 1/256: compresses about 2-3x, like measured fields.
@@ -83,6 +92,8 @@ def _h5py_worker(args: tuple[str, int, int]) -> int:
     path, start, stop = args
     global _H5
     if _H5 is None:
+        import hdf5plugin  # noqa: F401  (registers Blosc2 with h5py's libhdf5)
+
         _H5 = h5py.File(path, "r")
     return _H5["x"][start:stop].nbytes
 
@@ -107,14 +118,25 @@ def main() -> int:
     p.add_argument("--dir", default="/tmp/stoker-bench")
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--stoker", default=None)
-    p.add_argument("--out", default=str(REPO / "docs" / "performance-hdf5-decode.md"), help="markdown file, or - to only print")
+    p.add_argument("--filter", choices=["gzip", "blosc2"], default="gzip")
+    p.add_argument("--out", default=None, help="markdown file, or - to only print")
     a = p.parse_args()
+    if a.out is None:
+        name = "performance-hdf5-decode.md" if a.filter == "gzip" else "performance-hdf5-blosc2.md"
+        a.out = str(REPO / "docs" / name)
+    if a.filter == "blosc2":
+        import os
+
+        import hdf5plugin
+
+        # The daemons inherit it: with fast_path = false, libhdf5 decodes through c-blosc2.
+        os.environ["HDF5_PLUGIN_PATH"] = hdf5plugin.PLUGIN_PATH
     binary = stoker_bin(a.stoker)
     n = (a.mb * 1_000_000 // (ELEMS * 4)) // CHUNK_ROWS * CHUNK_ROWS
     root = Path(a.dir)
     root.mkdir(parents=True, exist_ok=True)
-    path = root / f"decode-gzip-{n}.h5"
-    ensure_file(path, n)
+    path = root / f"decode-{a.filter}-{n}.h5"
+    ensure_file(path, n, a.filter)
     warm_page_cache(path)
     decoded = n * ELEMS * 4
     stored = path.stat().st_size
@@ -135,12 +157,12 @@ def main() -> int:
     two = results["stoker fast path, 2 worker threads"]
     info = machine_info()
     lines = [
-        "# HDF5 decode throughput (gzip-chunked f32)",
+        f"# HDF5 decode throughput ({a.filter}-chunked f32)",
         "",
         f"Command: `python {shlex.join(['benches/hdf5_decode.py', *sys.argv[1:]])}`",
         "",
         f"Dataset: one file, {n} samples of {ELEMS} f32 ({ELEMS * 4 // 1024} KiB), chunks of {CHUNK_ROWS} samples "
-        f"(1 MiB), gzip level 4 + shuffle; {decoded / 1e6:.0f} MB decoded, {stored / 1e6:.0f} MB on disk "
+        f"(1 MiB), {'gzip level 4 + shuffle' if a.filter == 'gzip' else 'Blosc2 zstd level 5 + shuffle (b2nd chunks, hdf5plugin)'}; {decoded / 1e6:.0f} MB decoded, {stored / 1e6:.0f} MB on disk "
         f"(ratio {decoded / stored:.2f}), page-cached. One epoch in file order, batch {BATCH}; every chunk is "
         "decompressed once. Median of " + str(a.passes) + " runs.",
         "",

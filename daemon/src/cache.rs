@@ -125,8 +125,14 @@ struct CursorState {
     epoch: u64,
     /// The rank-local sample position being produced.
     position: u64,
+    /// Samples before `position` that fills still in flight may be reading
+    /// (the batches started before the newest one and not finished).
+    behind: u64,
     /// Permutations of `epoch` and `epoch + 1`, built once per epoch.
     perms: [Option<Order>; 2],
+    /// The permutation of `epoch - 1`: fills in flight at an epoch's start
+    /// may still be producing the previous epoch's last batches.
+    prev: Option<Order>,
 }
 
 impl Cursor {
@@ -135,9 +141,19 @@ impl Cursor {
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         if st.epoch != epoch || (st.perms[0].is_none() && st.sampler.permutation(epoch).is_some()) {
             st.perms = [st.sampler.permutation(epoch), st.sampler.permutation(epoch + 1)];
+            st.prev = epoch.checked_sub(1).and_then(|e| st.sampler.permutation(e));
             st.epoch = epoch;
         }
         st.position = step.saturating_mul(st.sampler.batch_size());
+    }
+
+    /// Moves the cursor to batch `step` of `epoch` while `in_flight` earlier
+    /// batches are still being filled: their samples count as read now, not
+    /// next epoch (a chunk a running fill is reading is needed now).
+    pub fn set_in_flight(&self, epoch: u64, step: u64, in_flight: u64) {
+        self.set(epoch, step);
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        st.behind = in_flight.saturating_mul(st.sampler.batch_size());
     }
 
     /// The fingerprint of the dataset it reads.
@@ -161,10 +177,20 @@ impl Cursor {
     /// epoch and the next; [`NEVER`] beyond.
     fn distance(st: &CursorState, index: u64) -> u64 {
         let s = &st.sampler;
-        if let Some(q) = s.local_position(st.perms[0].as_ref(), index)
-            && q >= st.position
+        if st.behind > st.position
+            && st.epoch > 0
+            && s.local_position(st.prev.as_ref(), index)
+                .is_some_and(|q| q.saturating_add(st.behind - st.position) >= s.per_rank())
         {
-            return q - st.position;
+            return 0; // in one of the previous epoch's last batches, still being filled
+        }
+        if let Some(q) = s.local_position(st.perms[0].as_ref(), index) {
+            if q >= st.position {
+                return q - st.position;
+            }
+            if q.saturating_add(st.behind) >= st.position {
+                return 0; // in a batch a fill in flight is producing
+            }
         }
         match s.local_position(st.perms[1].as_ref(), index) {
             Some(q) => s.per_rank().saturating_sub(st.position).saturating_add(q),
@@ -191,7 +217,14 @@ impl Futures {
     pub fn register(&self, dataset: u64, sampler: Sampler, epoch: u64, step: u64) -> Arc<Cursor> {
         let cursor = Arc::new(Cursor {
             dataset: AtomicU64::new(dataset),
-            state: Mutex::new(CursorState { sampler, epoch: u64::MAX, position: 0, perms: [None, None] }),
+            state: Mutex::new(CursorState {
+                sampler,
+                epoch: u64::MAX,
+                position: 0,
+                behind: 0,
+                perms: [None, None],
+                prev: None,
+            }),
         });
         cursor.set(epoch, step);
         let mut cursors = self.cursors.write().unwrap_or_else(PoisonError::into_inner);
@@ -651,6 +684,31 @@ mod tests {
         assert_eq!((per[0].1.bytes, per[0].1.entries, per[0].1.evictions), (8, 2, 1));
         assert_eq!(cache.drop_dataset(Some(7)), (2, 8));
         assert_eq!(cache.stats().bytes, 0);
+    }
+
+    #[test]
+    fn samples_of_fills_in_flight_are_read_now_across_the_epoch_boundary() {
+        // Unshuffled, 100 samples, batches of 10. The newest fill started is
+        // batch 7, three earlier ones still run: samples 40..70 are read now,
+        // not next epoch (refusing them re-decoded a chunk per sample).
+        let futures = Futures::new();
+        let sampler = Sampler::new(100, 0, 1, 10, false, 0, false);
+        let cursor = futures.register(9, sampler, 0, 0);
+        cursor.set_in_flight(0, 7, 3);
+        let next = |lo: u64| futures.next_use(&Uses { dataset: 9, lo, hi: lo + 5 });
+        assert_eq!(next(45), 0);
+        assert_eq!(next(40), 0);
+        assert_eq!(next(75), 5);
+        assert_eq!(next(30), 100 - 70 + 30); // before the fills in flight: next epoch
+        // A full cache of past entries admits what a fill in flight reads.
+        let cache: Cache<Vec<u8>> = Cache::new(2, Policy::Belady, futures.clone());
+        let ins = |lo: u64| cache.insert(key(lo), Arc::new(vec![0]), 1, Uses { dataset: 9, lo, hi: lo + 5 });
+        assert!(ins(10) && ins(20));
+        assert!(ins(45));
+        // Epoch 1 began (batch 1 started) while the last batches of epoch 0 still fill.
+        cursor.set_in_flight(1, 1, 3);
+        assert_eq!(next(90), 0);
+        assert_eq!(next(70), 70 - 10); // epoch 0's batch 7 is done: read again at 70 of epoch 1
     }
 
     #[test]

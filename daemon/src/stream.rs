@@ -760,7 +760,10 @@ impl Stream {
     /// and fills again).
     fn spawn_fill(self: &Arc<Self>, st: &mut State, id: usize, epoch: u64, step: u64) -> bool {
         if let Some(cursor) = &self.meta.cursor {
-            cursor.set(epoch, step);
+            // Fills run behind the newest step started, by at most one per
+            // slot (a slot's fill can still be reading after its state
+            // moved on): the samples of those batches are read now.
+            cursor.set_in_flight(epoch, step, st.slots.len() as u64);
         }
         let rows = self.sampler().rows(step);
         let (ring, index) = self.ring_of(st, id);

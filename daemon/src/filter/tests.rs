@@ -525,3 +525,23 @@ fn blosc2_fixtures_decode_in_rust() {
     }
     assert!(b2nd >= 3, "b2nd frames among the fixtures: {b2nd}");
 }
+
+/// Blosc2 decode speed on one stored chunk (`STOKER_BLOSC2_CHUNK`, a file
+/// holding a chunk of `STOKER_BLOSC2_BYTES` decoded bytes, e.g. from h5py's
+/// `read_direct_chunk`). Run with
+/// `cargo test -p stoker-daemon --release --lib filter::tests::blosc2_speed -- --ignored --nocapture`.
+#[test]
+#[ignore = "benchmark; needs STOKER_BLOSC2_CHUNK"]
+fn blosc2_speed() {
+    let stored = std::fs::read(std::env::var("STOKER_BLOSC2_CHUNK").unwrap()).unwrap();
+    let bytes: usize = std::env::var("STOKER_BLOSC2_BYTES").unwrap().parse().unwrap();
+    let pipeline = [spec(id::BLOSC2, &[])];
+    let mut out = Vec::new();
+    let t = std::time::Instant::now();
+    let rounds = 200;
+    for _ in 0..rounds {
+        decode_chunk(&pipeline, 0, &stored, 4, bytes, &mut out).unwrap();
+    }
+    let s = t.elapsed().as_secs_f64();
+    println!("blosc2: {:.0} MB/s ({:.2} ms per chunk)", (bytes * rounds) as f64 / s / 1e6, s / rounds as f64 * 1e3);
+}
