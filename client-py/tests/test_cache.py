@@ -185,6 +185,36 @@ def test_chunk_cache_policies_serve_h5py_exactly_within_the_bound(
         assert 0 < chunks["bytes"] <= bound and chunks["evictions"] > 0, chunks
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_file_order_epoch_over_a_full_chunk_cache_decodes_each_chunk_about_once(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path, threads: int
+) -> None:
+    """Fills run concurrently, up to a ring's depth of batches behind the newest
+    one started: the chunks they read are needed now. A Belady cache that
+    took them for "read next epoch" refused them, and each part of a batch
+    decompressed its chunks again (203 and 407 misses where 71 suffice);
+    two workers reaching one chunk together decompress it once."""
+    rows = 1024
+    data = gzip_h5(tmp_path / "a.h5", rows, 3)
+    chunks = rows // 16
+    # 16 rows of 32 int32 per chunk.
+    bound = 16 * 32 * 4 * 16  # 16 of the 64 chunks (more than the 12 a full ring of fills reads)
+    d = start_daemon(threads=threads, depth=8, extra=cache_config(0, chunk_bytes=bound, policy="belady"))
+    spec = stoker.hdf5(str(tmp_path / "a.h5"), fields={"x": "/x", "idx": "/idx"})
+    loader = stoker.Loader(spec, batch_size=24, shuffle=False, socket=d.socket)
+    got = epoch_rows(loader, 0, ("x",))
+    assert sorted(got) == list(range(rows))
+    for i, row in got.items():
+        np.testing.assert_array_equal(row["x"], data[i])
+    report = cache_ls(d)["chunks"]
+    # Every row is one lookup; the ring also reads ahead into epoch 1.
+    lookups = report["hits"] + report["misses"]
+    assert rows <= lookups <= rows + 8 * 24 and report["bytes"] <= bound, report
+    # Each chunk is missed once per pass (epoch 0, then epoch 1's first batches).
+    assert chunks <= report["misses"] <= -(-lookups // 16) * 9 // 8, report
+    assert report["misses"] >= chunks, report
+
+
 def test_a_rewritten_file_is_never_served_from_the_cache(
     stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
 ) -> None:

@@ -264,6 +264,48 @@ def test_corrupt_chunk_names_file_field_and_chunk(start_daemon, stoker, tmp_path
     assert daemon.alive()
 
 
+def test_chunk_index_size_past_the_file_fails_its_batch_before_allocating(start_daemon, stoker, tmp_path: Path, data) -> None:
+    """A chunk's stored size comes from the file's chunk index: a corrupt one
+    (here 2 GiB in a 30 KB file) is refused, naming the file, field and
+    chunk, before anything of that size is allocated."""
+    import struct
+
+    root = tmp_path / "corrupt"
+    root.mkdir()
+    path = root / "bad.h5"
+    n = 40
+    with h5py.File(path, "w", libver="earliest") as f:
+        f.create_dataset("index", data=np.arange(n))
+        f.create_dataset("x", data=np.random.default_rng(0).standard_normal((n, 64)).astype("<f4"), chunks=(8, 64), compression="gzip")
+    with h5py.File(path) as f:
+        info = f["x"].id.get_chunk_info(2)
+    raw = bytearray(path.read_bytes())
+    # The v1 B-tree key of chunk (16, 0): size, filter mask, offsets (with the element axis).
+    record = struct.pack("<IIQQQ", info.size, 0, 16, 0, 0)
+    assert raw.count(record) == 1
+    at = raw.index(record)
+    raw[at : at + 4] = struct.pack("<I", 0x7FFF_FFF0)
+    path.write_bytes(bytes(raw))
+    with h5py.File(path) as f, pytest.raises(Exception):
+        f["x"][16]  # the reference reader fails on it too
+
+    daemon = start_daemon(allowed_roots=[tmp_path])
+    bad = stoker.Loader(stoker.hdf5(str(path), fields={"index": "index", "x": "x"}), batch_size=8, shuffle=False, socket=daemon.socket)
+    good = stoker.Loader(data.spec(stoker), batch_size=8, shuffle=True, socket=daemon.socket)
+    it = iter(bad)
+    errors, rows = [], []
+    for _ in range(len(bad)):
+        try:
+            rows += next(it)["index"].tolist()
+        except stoker.DatasetError as e:
+            errors.append(str(e))
+    assert len(errors) == 1, errors
+    assert str(path) in errors[0] and '"x"' in errors[0] and "[16, 0]" in errors[0] and "end of the file" in errors[0], errors[0]
+    assert rows == list(range(0, 16)) + list(range(24, 40))
+    assert sorted(i for b in good for i in data.check_batch(b)) == list(range(data.n))
+    assert daemon.alive()
+
+
 def test_contradictory_window_spec_is_refused_naming_the_dataset(start_daemon, stoker, tmp_path: Path) -> None:
     root = tmp_path / "spec"
     root.mkdir()

@@ -25,9 +25,11 @@
 //! cursor registry's, then a cursor's; nothing here blocks on I/O.
 
 use std::collections::HashMap;
+use std::collections::HashSet;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock, Weak};
+use std::time::{Duration, Instant};
 
 use crate::sampler::{Order, Sampler};
 
@@ -43,6 +45,10 @@ const MAX_PROBES: u64 = 128;
 /// Datasets whose labels and counters are kept (each is a few dozen bytes;
 /// clients opening ever new datasets must not grow them without bound).
 const MAX_TRACKED: usize = 65_536;
+
+/// Longest a [`Cache::get_or_load`] caller waits for another's load of the
+/// same key before loading it too (a load is one chunk's read and decode).
+pub const LOAD_WAIT: Duration = Duration::from_secs(5);
 
 /// Next use of an entry no registered stream reads within its horizon.
 pub const NEVER: u64 = u64::MAX;
@@ -123,37 +129,24 @@ pub struct Cursor {
 struct CursorState {
     sampler: Sampler,
     epoch: u64,
-    /// The rank-local sample position being produced.
+    /// The rank-local sample position being produced: the first sample of
+    /// the oldest batch a fill is still producing (later fills run too).
     position: u64,
-    /// Samples before `position` that fills still in flight may be reading
-    /// (the batches started before the newest one and not finished).
-    behind: u64,
     /// Permutations of `epoch` and `epoch + 1`, built once per epoch.
     perms: [Option<Order>; 2],
-    /// The permutation of `epoch - 1`: fills in flight at an epoch's start
-    /// may still be producing the previous epoch's last batches.
-    prev: Option<Order>,
 }
 
 impl Cursor {
-    /// Moves the cursor to batch `step` of `epoch` (called as production moves).
+    /// Moves the cursor to batch `step` of `epoch`: the oldest batch still
+    /// being produced (called as fills start and finish). Fills of later
+    /// batches, into the next epoch, count as its future reads.
     pub fn set(&self, epoch: u64, step: u64) {
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         if st.epoch != epoch || (st.perms[0].is_none() && st.sampler.permutation(epoch).is_some()) {
             st.perms = [st.sampler.permutation(epoch), st.sampler.permutation(epoch + 1)];
-            st.prev = epoch.checked_sub(1).and_then(|e| st.sampler.permutation(e));
             st.epoch = epoch;
         }
         st.position = step.saturating_mul(st.sampler.batch_size());
-    }
-
-    /// Moves the cursor to batch `step` of `epoch` while `in_flight` earlier
-    /// batches are still being filled: their samples count as read now, not
-    /// next epoch (a chunk a running fill is reading is needed now).
-    pub fn set_in_flight(&self, epoch: u64, step: u64, in_flight: u64) {
-        self.set(epoch, step);
-        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        st.behind = in_flight.saturating_mul(st.sampler.batch_size());
     }
 
     /// The fingerprint of the dataset it reads.
@@ -177,20 +170,10 @@ impl Cursor {
     /// epoch and the next; [`NEVER`] beyond.
     fn distance(st: &CursorState, index: u64) -> u64 {
         let s = &st.sampler;
-        if st.behind > st.position
-            && st.epoch > 0
-            && s.local_position(st.prev.as_ref(), index)
-                .is_some_and(|q| q.saturating_add(st.behind - st.position) >= s.per_rank())
+        if let Some(q) = s.local_position(st.perms[0].as_ref(), index)
+            && q >= st.position
         {
-            return 0; // in one of the previous epoch's last batches, still being filled
-        }
-        if let Some(q) = s.local_position(st.perms[0].as_ref(), index) {
-            if q >= st.position {
-                return q - st.position;
-            }
-            if q.saturating_add(st.behind) >= st.position {
-                return 0; // in a batch a fill in flight is producing
-            }
+            return q - st.position;
         }
         match s.local_position(st.perms[1].as_ref(), index) {
             Some(q) => s.per_rank().saturating_sub(st.position).saturating_add(q),
@@ -217,14 +200,7 @@ impl Futures {
     pub fn register(&self, dataset: u64, sampler: Sampler, epoch: u64, step: u64) -> Arc<Cursor> {
         let cursor = Arc::new(Cursor {
             dataset: AtomicU64::new(dataset),
-            state: Mutex::new(CursorState {
-                sampler,
-                epoch: u64::MAX,
-                position: 0,
-                behind: 0,
-                perms: [None, None],
-                prev: None,
-            }),
+            state: Mutex::new(CursorState { sampler, epoch: u64::MAX, position: 0, perms: [None, None] }),
         });
         cursor.set(epoch, step);
         let mut cursors = self.cursors.write().unwrap_or_else(PoisonError::into_inner);
@@ -329,6 +305,8 @@ pub struct Cache<V> {
     policy: Policy,
     futures: Arc<Futures>,
     inner: Mutex<Inner<V>>,
+    /// Signalled when a load [`Cache::get_or_load`] runs ends.
+    loaded: Condvar,
     hits: AtomicU64,
     misses: AtomicU64,
     evictions: AtomicU64,
@@ -352,7 +330,13 @@ struct Inner<V> {
     tick: u64,
     rng: u64,
     datasets: HashMap<u64, Counters>,
+    /// Keys a [`Cache::get_or_load`] caller is loading now.
+    loading: HashSet<Key>,
 }
+
+/// What a [`Cache::get_or_load`] load gives: the value, its bytes and its
+/// uses, or `None` for nothing to cache.
+pub type Loaded<V> = Option<(Arc<V>, usize, Uses)>;
 
 /// The cache of decompressed HDF5 chunks.
 pub type ChunkCache = Cache<Vec<u8>>;
@@ -437,7 +421,9 @@ impl<V> Cache<V> {
                 tick: 0,
                 rng: 0x853c_49e6_748f_ea9b,
                 datasets: HashMap::new(),
+                loading: HashSet::new(),
             }),
+            loaded: Condvar::new(),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             evictions: AtomicU64::new(0),
@@ -465,28 +451,86 @@ impl<V> Cache<V> {
             return None;
         }
         let mut inner = self.lock();
+        let hit = Self::find(&mut inner, key);
+        self.count(&mut inner, dataset, hit.is_some());
+        hit
+    }
+
+    /// The entry, or else `load`'s value, offered to the cache. Concurrent
+    /// callers for one key load it once: the others wait for that load (at
+    /// most [`LOAD_WAIT`], then load themselves) and take the entry it left
+    /// (two workers filling neighbouring rows of one HDF5 chunk decompress
+    /// it once). `load` gives the value, its bytes and its uses, or `None`
+    /// for nothing to cache; it runs without the cache's lock.
+    pub fn get_or_load<E>(
+        &self,
+        key: &Key,
+        dataset: u64,
+        load: impl FnOnce() -> Result<Loaded<V>, E>,
+    ) -> Result<Option<Arc<V>>, E> {
+        if !self.enabled() {
+            return Ok(load()?.map(|(value, _, _)| value));
+        }
+        let mut inner = self.lock();
+        let deadline = Instant::now() + LOAD_WAIT;
+        while inner.loading.contains(key) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            inner = self.loaded.wait_timeout(inner, left).unwrap_or_else(PoisonError::into_inner).0;
+        }
+        let hit = Self::find(&mut inner, key);
+        self.count(&mut inner, dataset, hit.is_some());
+        if let Some(hit) = hit {
+            return Ok(Some(hit));
+        }
+        // The one loader of `key` (unless a wait timed out): whatever happens
+        // to `load`, the guard lets the waiters go.
+        let claimed = inner.loading.insert(*key);
+        drop(inner);
+        struct Claim<'a, V> {
+            cache: &'a Cache<V>,
+            key: Option<Key>,
+        }
+        impl<V> Drop for Claim<'_, V> {
+            fn drop(&mut self) {
+                if let Some(key) = self.key {
+                    self.cache.lock().loading.remove(&key);
+                    self.cache.loaded.notify_all();
+                }
+            }
+        }
+        let _claim = Claim { cache: self, key: claimed.then_some(*key) };
+        Ok(load()?.map(|(value, bytes, uses)| {
+            self.insert(*key, value.clone(), bytes, uses);
+            value
+        }))
+    }
+
+    /// The entry under `key`, marked as just used.
+    fn find(inner: &mut Inner<V>, key: &Key) -> Option<Arc<V>> {
         inner.tick += 1;
         let tick = inner.tick;
-        let hit = match inner.index.get(key).copied() {
-            Some(at) => {
-                inner.entries[at].last = tick;
-                Some(inner.entries[at].value.clone())
-            }
-            None => None,
-        };
+        let at = inner.index.get(key).copied()?;
+        inner.entries[at].last = tick;
+        Some(inner.entries[at].value.clone())
+    }
+
+    /// Counts one lookup of `dataset`.
+    fn count(&self, inner: &mut Inner<V>, dataset: u64, hit: bool) {
         if inner.datasets.len() >= MAX_TRACKED && !inner.datasets.contains_key(&dataset) {
             // Counters of datasets with nothing cached go first.
             inner.datasets.retain(|_, c| c.entries > 0);
         }
         let counters = inner.datasets.entry(dataset).or_default();
-        if hit.is_some() {
+        if hit {
             counters.hits += 1;
             self.hits.fetch_add(1, Ordering::Relaxed);
         } else {
             counters.misses += 1;
             self.misses.fetch_add(1, Ordering::Relaxed);
         }
-        hit
     }
 
     /// Whether an entry of `bytes` read by `uses` would be admitted now
@@ -688,27 +732,77 @@ mod tests {
 
     #[test]
     fn samples_of_fills_in_flight_are_read_now_across_the_epoch_boundary() {
-        // Unshuffled, 100 samples, batches of 10. The newest fill started is
-        // batch 7, three earlier ones still run: samples 40..70 are read now,
-        // not next epoch (refusing them re-decoded a chunk per sample).
+        // Unshuffled, 100 samples, batches of 10. The oldest fill still
+        // running is batch 4 (batches 5..7 run too): samples 40..80 are read
+        // now, not next epoch (refusing them re-decoded a chunk per sample).
         let futures = Futures::new();
         let sampler = Sampler::new(100, 0, 1, 10, false, 0, false);
         let cursor = futures.register(9, sampler, 0, 0);
-        cursor.set_in_flight(0, 7, 3);
+        cursor.set(0, 4);
         let next = |lo: u64| futures.next_use(&Uses { dataset: 9, lo, hi: lo + 5 });
-        assert_eq!(next(45), 0);
+        assert_eq!(next(45), 5);
         assert_eq!(next(40), 0);
-        assert_eq!(next(75), 5);
-        assert_eq!(next(30), 100 - 70 + 30); // before the fills in flight: next epoch
-        // A full cache of past entries admits what a fill in flight reads.
+        assert_eq!(next(75), 35);
+        assert_eq!(next(30), 100 - 40 + 30); // before the oldest fill: next epoch
+        // A full cache of entries read next epoch admits what a fill in flight reads.
         let cache: Cache<Vec<u8>> = Cache::new(2, Policy::Belady, futures.clone());
         let ins = |lo: u64| cache.insert(key(lo), Arc::new(vec![0]), 1, Uses { dataset: 9, lo, hi: lo + 5 });
         assert!(ins(10) && ins(20));
         assert!(ins(45));
-        // Epoch 1 began (batch 1 started) while the last batches of epoch 0 still fill.
-        cursor.set_in_flight(1, 1, 3);
-        assert_eq!(next(90), 0);
-        assert_eq!(next(70), 70 - 10); // epoch 0's batch 7 is done: read again at 70 of epoch 1
+        assert!(cache.get(&key(20), 9).is_none(), "the furthest (20, next epoch) goes");
+        // Epoch 1 began (its batch 1 started) while epoch 0's batch 8 still fills.
+        cursor.set(0, 8);
+        assert_eq!(next(90), 10);
+        assert_eq!(next(5), 100 - 80 + 5); // epoch 1's first batch: read soon
+        // The old fill is done: the cursor moves into epoch 1.
+        cursor.set(1, 1);
+        assert_eq!(next(90), 80);
+        assert_eq!(next(70), 70 - 10);
+    }
+
+    #[test]
+    fn concurrent_loads_of_one_key_run_once_and_failures_release_the_waiters() {
+        use std::sync::atomic::AtomicUsize;
+        let cache: Cache<Vec<u8>> = Cache::new(100, Policy::Lru, Futures::new());
+        let loads = AtomicUsize::new(0);
+        let load = || {
+            loads.fetch_add(1, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(50));
+            Ok::<_, String>(Some((Arc::new(vec![7u8; 10]), 10, Uses::one(1, 0))))
+        };
+        std::thread::scope(|s| {
+            let got: Vec<_> = (0..4).map(|_| s.spawn(|| cache.get_or_load(&key(1), 1, load))).collect();
+            for g in got {
+                assert_eq!(*g.join().unwrap().unwrap().unwrap(), vec![7u8; 10]);
+            }
+        });
+        assert_eq!(loads.load(Ordering::SeqCst), 1, "one load for four callers");
+        assert_eq!((cache.stats().hits, cache.stats().misses), (3, 1));
+        // A load that fails, or panics, lets the waiters go: each loads itself.
+        for panics in [false, true] {
+            let k = key(if panics { 3 } else { 2 });
+            let tries = AtomicUsize::new(0);
+            let failing = || -> Result<Loaded<Vec<u8>>, String> {
+                let n = tries.fetch_add(1, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(50));
+                if n == 0 {
+                    assert!(!panics, "the first load panics");
+                    return Err("unreadable".into());
+                }
+                Ok(None)
+            };
+            let started = Instant::now();
+            std::thread::scope(|s| {
+                let got: Vec<_> = (0..3)
+                    .map(|_| s.spawn(|| std::panic::catch_unwind(|| cache.get_or_load(&k, 1, failing))))
+                    .collect();
+                let outcomes: Vec<_> = got.into_iter().map(|g| g.join().unwrap()).collect();
+                assert_eq!(outcomes.iter().filter(|o| matches!(o, Ok(Ok(None)))).count(), 2);
+            });
+            assert_eq!(tries.load(Ordering::SeqCst), 3);
+            assert!(started.elapsed() < LOAD_WAIT, "nobody waited out the timeout");
+            assert!(cache.lock().loading.is_empty());
+        }
     }
 
     #[test]

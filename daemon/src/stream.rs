@@ -232,6 +232,8 @@ enum SlotState {
     Free,
     Filling {
         generation: u64,
+        epoch: u64,
+        step: u64,
     },
     Ready {
         generation: u64,
@@ -759,18 +761,13 @@ impl Stream {
     /// discarded fill still holds the slot (its completion frees the slot
     /// and fills again).
     fn spawn_fill(self: &Arc<Self>, st: &mut State, id: usize, epoch: u64, step: u64) -> bool {
-        if let Some(cursor) = &self.meta.cursor {
-            // Fills run behind the newest step started, by at most one per
-            // slot (a slot's fill can still be reading after its state
-            // moved on): the samples of those batches are read now.
-            cursor.set_in_flight(epoch, step, st.slots.len() as u64);
-        }
         let rows = self.sampler().rows(step);
         let (ring, index) = self.ring_of(st, id);
         let Some(writer) = ring.writer(index, 0..rows) else {
             return false;
         };
-        st.slots[id].state = SlotState::Filling { generation: st.generation };
+        st.slots[id].state = SlotState::Filling { generation: st.generation, epoch, step };
+        self.sync_cursor(st);
         let generation = st.generation;
         let stream = self.clone();
         let parts = self.pool.current_num_threads();
@@ -899,7 +896,26 @@ impl Stream {
         };
         self.meta.counters.completed(bytes, error.is_some());
         st.slots[id].state = SlotState::Ready { generation, epoch, step, rows, error };
+        self.sync_cursor(&st);
         self.advance(&mut st);
+    }
+
+    /// Puts the cache cursor at the oldest batch a fill of this generation is
+    /// still producing (fills run concurrently and finish out of order: the
+    /// chunks the oldest reads are needed now, not next epoch), or at the next
+    /// batch to produce when none runs.
+    fn sync_cursor(&self, st: &State) {
+        let Some(cursor) = &self.meta.cursor else { return };
+        let oldest = st
+            .slots
+            .iter()
+            .filter_map(|s| match s.state {
+                SlotState::Filling { generation, epoch, step } if generation == st.generation => Some((epoch, step)),
+                _ => None,
+            })
+            .min()
+            .unwrap_or((st.produce_epoch, st.next_produce));
+        cursor.set(oldest.0, oldest.1);
     }
 
     /// The stream's layout with the ragged rooms `oversize` asks for.

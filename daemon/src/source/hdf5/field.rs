@@ -255,34 +255,48 @@ impl FieldReader {
         linear: u64,
         chunk_start: &[u64],
     ) -> Result<Option<Arc<Vec<u8>>>, String> {
-        let chunks = &cache.ctx.caches.chunks;
         let key = Key { space: self.cache_id, item: linear };
-        if let Some(hit) = chunks.get(&key, cache.ctx.dataset) {
-            return Ok(Some(hit));
-        }
-        let loc = self.location(c, linear, chunk_start)?;
-        let Some(addr) = loc.addr else { return Ok(None) };
-        let what = || format!("chunk at {chunk_start:?} (file offset {addr}, {} bytes stored)", loc.size);
-        let mut stored = vec![0u8; loc.size as usize];
-        file.read_exact_at(&mut stored, addr).map_err(|e| format!("{}: read failed: {e}", what()))?;
-        let mut out = Vec::new();
-        filter::decode_chunk(&c.filters, loc.filter_mask, &stored, self.elem, c.chunk_bytes, &mut out)
-            .map_err(|e| format!("{}: {e}; the file may be corrupt (h5py/h5dump will fail on it too)", what()))?;
-        let decoded = Arc::new(out);
-        // The samples that read this chunk: those of the items it spans (every
-        // sample, for a constant field).
-        let uses = match cache.items {
-            Some((base, windows)) => {
-                let first = chunk_start.first().copied().unwrap_or(0);
-                let end = (first + c.chunk.first().copied().unwrap_or(1)).min(self.dims.first().copied().unwrap_or(1));
-                let at = |item: u64| base.saturating_add(item.saturating_mul(windows));
-                Uses { dataset: cache.ctx.dataset, lo: at(first), hi: at(end) }
+        cache.ctx.caches.chunks.get_or_load(&key, cache.ctx.dataset, || {
+            let loc = self.location(c, linear, chunk_start)?;
+            let Some(addr) = loc.addr else { return Ok(None) };
+            let what = || format!("chunk at {chunk_start:?} (file offset {addr}, {} bytes stored)", loc.size);
+            // The chunk index is file contents: its size is checked before it is allocated.
+            let len = file.metadata().map_err(|e| format!("{}: {e}", what()))?.len();
+            if addr.checked_add(loc.size).is_none_or(|end| end > len) {
+                return Err(format!(
+                    "{}: the chunk index says it ends past the end of the file ({len} bytes); \
+                     the file is truncated or corrupt (h5py/h5dump will fail on it too)",
+                    what()
+                ));
             }
-            None => Uses { dataset: cache.ctx.dataset, lo: 0, hi: NEVER },
-        };
-        let bytes = decoded.len();
-        chunks.insert(key, decoded.clone(), bytes, uses);
-        Ok(Some(decoded))
+            if loc.size > max_stored(c.chunk_bytes) {
+                return Err(format!(
+                    "{}: more than any filter makes of a {}-byte chunk; the chunk index is corrupt \
+                     (h5py/h5dump will fail on it too)",
+                    what(),
+                    c.chunk_bytes
+                ));
+            }
+            let mut stored = vec![0u8; loc.size as usize];
+            file.read_exact_at(&mut stored, addr).map_err(|e| format!("{}: read failed: {e}", what()))?;
+            let mut out = Vec::new();
+            filter::decode_chunk(&c.filters, loc.filter_mask, &stored, self.elem, c.chunk_bytes, &mut out)
+                .map_err(|e| format!("{}: {e}; the file may be corrupt (h5py/h5dump will fail on it too)", what()))?;
+            // The samples that read this chunk: those of the items it spans
+            // (every sample, for a constant field).
+            let uses = match cache.items {
+                Some((base, windows)) => {
+                    let first = chunk_start.first().copied().unwrap_or(0);
+                    let end =
+                        (first + c.chunk.first().copied().unwrap_or(1)).min(self.dims.first().copied().unwrap_or(1));
+                    let at = |item: u64| base.saturating_add(item.saturating_mul(windows));
+                    Uses { dataset: cache.ctx.dataset, lo: at(first), hi: at(end) }
+                }
+                None => Uses { dataset: cache.ctx.dataset, lo: 0, hi: NEVER },
+            };
+            let bytes = out.len();
+            Ok(Some((Arc::new(out), bytes, uses)))
+        })
     }
 
     fn location(&self, c: &Chunked, linear: u64, chunk_start: &[u64]) -> Result<Location, String> {
@@ -633,4 +647,12 @@ fn undecodable(missing: &[FilterSpec]) -> String {
          HDF5_PLUGIN_PATH=$(python -c 'import hdf5plugin; print(hdf5plugin.PLUGIN_PATH)') (docs/operations.md)",
         names.join(" and ")
     )
+}
+
+/// The most bytes a chunk of `chunk_bytes` may take stored: every HDF5
+/// filter (deflate, lz4, zstd, Blosc, bitshuffle, Fletcher-32) grows
+/// incompressible data by a small fraction at most; a larger size in the
+/// chunk index is corrupt, and is refused before it is allocated.
+fn max_stored(chunk_bytes: usize) -> u64 {
+    (chunk_bytes as u64).saturating_mul(2).saturating_add(1 << 20)
 }
