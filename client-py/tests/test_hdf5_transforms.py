@@ -58,6 +58,7 @@ def test_deterministic_steps_equal_numpy(stoker: Any, start_daemon: Callable[...
         "rho": rng.standard_normal((n, 3, 6, 4), dtype=np.float32) * 2 + 5,
         "cube": rng.integers(0, 255, size=(n, 4, 5, 6), dtype=np.uint8),
         "flt": (rng.standard_normal((n, 4, 4)) * 300).astype(np.float32),
+        "half": rng.standard_normal((n, 6, 4)) * np.logspace(-9, 6, 24).reshape(6, 4),
         "idx": np.arange(n, dtype=np.int64),
     }
     _write(tmp_path / "a.h5", **src)
@@ -75,6 +76,7 @@ def test_deterministic_steps_equal_numpy(stoker: Any, start_daemon: Callable[...
         "rho": [{"normalize": {"stats": str(stats), "key": "density"}}],
         "cube": [{"permute": [2, 0, 1]}],
         "flt": [{"cast": "int16"}, {"normalize": {"mean": [1.0], "std": [4.0]}}],
+        "half": [{"cast": "float16"}, {"permute": [1, 0]}],
     }
     spec = stoker.hdf5(
         str(tmp_path / "a.h5"),
@@ -100,6 +102,11 @@ def test_deterministic_steps_equal_numpy(stoker: Any, start_daemon: Callable[...
         np.testing.assert_array_equal(r["cube"], src["cube"][i].transpose(2, 0, 1))
         np.testing.assert_allclose(r["flt"], (src["flt"][i].astype(np.int16) - 1.0) / 4.0, rtol=1e-6)
         assert r["flt"].dtype == np.float32
+        # float64 → float16 rounds to nearest even, tiny values to subnormals or zero, huge ones to inf.
+        with np.errstate(over="ignore"):
+            half = src["half"][i].astype(np.float16)
+        assert r["half"].dtype == np.float16
+        np.testing.assert_array_equal(r["half"].view(np.uint16), half.T.view(np.uint16))
 
 
 def test_random_steps_are_keyed_and_paired(stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path) -> None:

@@ -284,9 +284,6 @@ impl Chain {
                         return Err(invalid("normalize needs finite mean and non-zero finite std".into()));
                     }
                 }
-                Step::Cast { dtype: DType::F16 } => {
-                    return Err(invalid("cast to float16 is not supported; cast to float32".into()));
-                }
                 Step::Permute { axes } => {
                     let mut seen = axes.clone();
                     seen.sort_unstable();

@@ -103,7 +103,8 @@ impl Num {
             (Num::F(v), DType::I32) => Num::I(i128::from(v as i32)),
             (Num::F(v), DType::U64) => Num::I(i128::from(v as u64)),
             (Num::F(v), DType::I64) => Num::I(i128::from(v as i64)),
-            (v, DType::F16 | DType::F32) => Num::F(f64::from(v.f64() as f32)),
+            (v, DType::F16) => Num::F(half::f16::from_f64(v.f64()).to_f64()),
+            (v, DType::F32) => Num::F(f64::from(v.f64() as f32)),
             (v, DType::F64) => Num::F(v.f64()),
         }
     }
@@ -144,7 +145,7 @@ fn write(dtype: DType, v: Num, out: &mut [u8]) {
         DType::I32 => out.copy_from_slice(&(int(v) as i32).to_ne_bytes()),
         DType::U64 => out.copy_from_slice(&(int(v) as u64).to_ne_bytes()),
         DType::I64 => out.copy_from_slice(&(int(v) as i64).to_ne_bytes()),
-        DType::F16 => unreachable!("casts to float16 are refused when the chain is built"),
+        DType::F16 => out.copy_from_slice(&half::f16::from_f64(v.f64()).to_bits().to_ne_bytes()),
         DType::F32 => out.copy_from_slice(&(v.f64() as f32).to_ne_bytes()),
         DType::F64 => out.copy_from_slice(&v.f64().to_ne_bytes()),
     }

@@ -401,7 +401,16 @@ fn cast_follows_numpy_astype() {
     let out = run(&to_f64, &[1, 2, 3, 250], DType::U8, &[2, 2], KEY);
     let f64s: Vec<f64> = out.chunks_exact(8).map(|b| f64::from_ne_bytes(b.try_into().unwrap())).collect();
     assert_eq!(f64s, [1.0, 2.0, 3.0, 250.0]);
-    assert!(Chain::new("x", vec![Step::Cast { dtype: DType::F16 }], None).is_err());
+    // float16 rounds to nearest even, overflows to infinity, as numpy's astype.
+    let to_f16 = chain(vec![Step::Cast { dtype: DType::F16 }]);
+    let f64s_in: Vec<u8> =
+        [1.0f64 / 3.0, 65519.0, 65520.0, -1e-8, 2049.0, 2051.0].iter().flat_map(|v| v.to_ne_bytes()).collect();
+    let out = run(&to_f16, &f64s_in, DType::F64, &[2, 3], KEY);
+    let bits: Vec<u16> = out.chunks_exact(2).map(|b| u16::from_ne_bytes(b.try_into().unwrap())).collect();
+    assert_eq!(bits, [0x3555, 0x7BFF, 0x7C00, 0x8000, 0x6800, 0x6802]);
+    let u8s = run(&to_f16, &[0, 1, 255, 128], DType::U8, &[2, 2], KEY);
+    let bits: Vec<u16> = u8s.chunks_exact(2).map(|b| u16::from_ne_bytes(b.try_into().unwrap())).collect();
+    assert_eq!(bits, [0x0000, 0x3C00, 0x5BF8, 0x5800]);
 }
 
 #[test]
