@@ -189,7 +189,7 @@ try:
     if args["kind"] == "lmdb":
         spec = stoker.lmdb(args["files"], fields={"x": {"codec": "raw", "dtype": "int32", "shape": [2]}})
     else:
-        spec = stoker.hdf5(args["files"], fields={"x": "x"})
+        spec = stoker.hdf5(args["files"], fields={"x": "x"}, transforms=args.get("transforms"))
     loader = stoker.Loader(spec, batch_size=4, shuffle=False, socket=args["socket"], timeout=60)
     x = np.concatenate([np.array(b["x"]) for b in loader])
     print(json.dumps({"ok": x.tolist()}))
@@ -198,8 +198,12 @@ except stoker.StokerError as e:
 """
 
 
-def run_as(uid: int, gid: int, groups: list[int], socket: str, files: str, kind: str = "hdf5") -> dict[str, Any]:
+def run_as(
+    uid: int, gid: int, groups: list[int], socket: str, files: str, kind: str = "hdf5", transforms: Any = None
+) -> dict[str, Any]:
     args = {"socket": socket, "files": files, "uid": uid, "gid": gid, "groups": groups, "kind": kind}
+    if transforms is not None:
+        args["transforms"] = transforms
     res = subprocess.run(
         [sys.executable, "-c", CLIENT, json.dumps(args)], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S
     )
@@ -255,6 +259,20 @@ def test_client_reads_only_what_it_may(stoker: Any, other_user: tuple[int, int, 
         got = run_as(uid, gid, [extra_gid], d.socket, str(secret / "env.lmdb"), kind="lmdb")
         assert got.get("error") == "AccessDenied", got
         assert str(secret / "env.lmdb") in got["message"], got
+        # A normalize statistics file is read with the client's rights too: a
+        # secret one is refused without a word of its contents.
+        stats = "mean: {x: 1.0}\nstd: {x: 2.0}\nsecret_key_name: {hidden: 1}\n"
+        (public / "stats.yaml").write_text(stats)
+        (secret / "stats.yaml").write_text(stats.replace("1.0", "3.0"))
+        os.chmod(public / "stats.yaml", 0o644)
+        os.chmod(secret / "stats.yaml", 0o600)
+        norm = lambda where: {"x": [{"normalize": {"stats": str(where / "stats.yaml")}}]}  # noqa: E731
+        got = run_as(uid, gid, [extra_gid], d.socket, str(public / "p.h5"), transforms=norm(public))
+        assert got.get("ok") == ((np.arange(8).reshape(4, 2) - 1.0) / 2.0).tolist(), got
+        got = run_as(uid, gid, [extra_gid], d.socket, str(public / "p.h5"), transforms=norm(secret))
+        assert got.get("error") == "AccessDenied", got
+        assert str(secret / "stats.yaml") in got["message"] and "3.0" not in got["message"], got
+        assert "secret_key_name" not in got["message"], got
         # Root itself still reads the secret file.
         x = read_all(stoker, stoker.hdf5(str(secret / "s.h5"), fields={"x": "x"}), d.socket)
         assert (x == 999).all()

@@ -59,6 +59,8 @@ def test_deterministic_steps_equal_numpy(stoker: Any, start_daemon: Callable[...
         "cube": rng.integers(0, 255, size=(n, 4, 5, 6), dtype=np.uint8),
         "flt": (rng.standard_normal((n, 4, 4)) * 300).astype(np.float32),
         "half": rng.standard_normal((n, 6, 4)) * np.logspace(-9, 6, 24).reshape(6, 4),
+        "feat": rng.standard_normal((n, 5)).astype(np.float32) * 10,
+        "label": rng.integers(0, 1000, size=n, dtype=np.int64),
         "idx": np.arange(n, dtype=np.int64),
     }
     _write(tmp_path / "a.h5", **src)
@@ -77,6 +79,9 @@ def test_deterministic_steps_equal_numpy(stoker: Any, start_daemon: Callable[...
         "cube": [{"permute": [2, 0, 1]}],
         "flt": [{"cast": "int16"}, {"normalize": {"mean": [1.0], "std": [4.0]}}],
         "half": [{"cast": "float16"}, {"permute": [1, 0]}],
+        # Fewer than 2 dimensions: element steps only.
+        "feat": [{"normalize": {"mean": [1, 2, 3, 4, 5], "std": [2, 2, 2, 2, 4]}}],
+        "label": [{"cast": "int32"}],
     }
     spec = stoker.hdf5(
         str(tmp_path / "a.h5"),
@@ -107,6 +112,9 @@ def test_deterministic_steps_equal_numpy(stoker: Any, start_daemon: Callable[...
             half = src["half"][i].astype(np.float16)
         assert r["half"].dtype == np.float16
         np.testing.assert_array_equal(r["half"].view(np.uint16), half.T.view(np.uint16))
+        feat = (src["feat"][i] - np.array([1, 2, 3, 4, 5], np.float32)) / np.array([2, 2, 2, 2, 4], np.float32)
+        np.testing.assert_allclose(r["feat"], feat, rtol=1e-6, atol=1e-6)
+        assert r["label"].dtype == np.int32 and r["label"] == src["label"][i]
 
 
 def test_random_steps_are_keyed_and_paired(stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path) -> None:
@@ -179,9 +187,9 @@ def test_lmdb_lr_hr_vflip_rot90_pairing_like_basicsr(
 def test_bad_steps_are_refused_naming_field_and_step(
     stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
 ) -> None:
-    _write(tmp_path / "b.h5", x=np.zeros((4, 6, 5), np.uint8), y=np.zeros((4, 6, 6), np.uint8))
+    _write(tmp_path / "b.h5", x=np.zeros((4, 6, 5), np.uint8), y=np.zeros((4, 6, 6), np.uint8), v=np.zeros((4, 3)))
     glob = str(tmp_path / "b.h5")
-    fields = {"x": "x", "y": "y"}
+    fields = {"x": "x", "y": "y", "v": "v"}
     with pytest.raises(ValueError) as exc:
         stoker.hdf5(glob, fields=fields, transforms={"x": ["twirl"]})
     assert_names(str(exc.value), "'x'", "twirl", "rot90")
@@ -196,6 +204,7 @@ def test_bad_steps_are_refused_naming_field_and_step(
         ({"y": [{"normalize": {"mean": [1, 2], "std": [1, 1]}}]}, "normalize"),
         ({"y": [{"normalize": {"stats": str(tmp_path / "none.yaml")}}]}, "none.yaml"),
         ({"y": [{"downsample": 7}]}, "downsample by 7"),
+        ({"v": ["hflip"]}, "takes only cast, normalize and permute"),
     ]
     for transforms, step in cases:
         field = next(iter(transforms))

@@ -26,9 +26,19 @@ struct Roles {
 
 impl Roles {
     /// The roles of a `rank`-d input under `spatial` (see [`Chain::with_spatial_axes`]).
-    fn of(spatial: Option<[i64; 2]>, rank: usize) -> Result<Roles, String> {
+    /// Below 2 dimensions only element steps (`cast`, `normalize`, `permute`)
+    /// apply: `geometric` says whether the chain has others.
+    fn of(spatial: Option<[i64; 2]>, rank: usize, geometric: bool) -> Result<Roles, String> {
         if rank < 2 {
-            return Err(format!("transforms need at least 2 dimensions (two spatial axes), not {rank}"));
+            if geometric || spatial.is_some() {
+                return Err(format!(
+                    "crops, flips, rotations, resizing, downsampling, chw and pairing need at least 2 \
+                     dimensions (two spatial axes), not {rank}; a {rank}-d field takes only cast, \
+                     normalize and permute"
+                ));
+            }
+            // No step reads the roles: placeholders.
+            return Ok(Roles { y: 0, x: 0, channel: None });
         }
         let [a, b] = spatial.unwrap_or(if rank == 2 { [0, 1] } else { [-3, -2] });
         let at = |a: i64| {
@@ -49,7 +59,8 @@ impl Roles {
 
     /// Positions after the axes are reordered by `perm` (new axis `i` is old axis `perm[i]`).
     fn permuted(self, perm: &[usize]) -> Roles {
-        let new = |old: usize| perm.iter().position(|&p| p == old).expect("perm is a permutation");
+        // `perm` is a checked permutation; below 2 dimensions the roles are placeholders.
+        let new = |old: usize| perm.iter().position(|&p| p == old).unwrap_or(old);
         Roles { y: new(self.y), x: new(self.x), channel: self.channel.map(new) }
     }
 }
@@ -457,6 +468,23 @@ fn write_rows(
 }
 
 impl Chain {
+    /// Whether a step (or a pairing) works on the spatial axes: everything
+    /// but the element conversions and `permute`.
+    fn geometric(&self) -> bool {
+        self.pair.is_some()
+            || self.steps.iter().any(|s| {
+                !matches!(
+                    s,
+                    Step::Cast { .. }
+                        | Step::ToF32 { .. }
+                        | Step::Normalize { .. }
+                        | Step::NormalizeTrailing { .. }
+                        | Step::NormalizeFrom { .. }
+                        | Step::Permute { .. }
+                )
+            })
+    }
+
     /// [`Chain::output`] for the n-dimensional engine.
     pub(super) fn output_nd(
         &self,
@@ -464,7 +492,7 @@ impl Chain {
         shape: &[Option<u64>],
     ) -> Result<(DType, Vec<Option<u64>>), TransformError> {
         let input = |message: String| TransformError::Input { field: self.field.clone(), message };
-        let mut roles = Roles::of(self.spatial, shape.len()).map_err(input)?;
+        let mut roles = Roles::of(self.spatial, shape.len(), self.geometric()).map_err(input)?;
         let mut shape = shape.to_vec();
         let mut dtype_out = dtype;
         let check = |step: &dyn Fn() -> String, shape: &[Option<u64>], dtype: DType| {
@@ -613,13 +641,13 @@ impl Chain {
         if input.len() as u64 != elems * dtype.size() as u64 {
             return Err(err(format!("input holds {} bytes, not {dtype} {shape:?}", input.len())));
         }
-        let mut roles = Roles::of(self.spatial, rank).map_err(&err)?;
-        let (h, w) = (shape[roles.y], shape[roles.x]);
+        let mut roles = Roles::of(self.spatial, rank, self.geometric()).map_err(&err)?;
+        let (h, w) = if rank >= 2 { (shape[roles.y], shape[roles.x]) } else { (1, 1) };
         let scale = self.pair.as_ref().map_or(1, |p| p.scale);
         let mut lead = match (&self.pair, leader_shape) {
             (None, _) => (h, w),
             (Some(pair), Some(leader)) => {
-                let lroles = Roles::of(self.spatial, leader.len()).map_err(&err)?;
+                let lroles = Roles::of(self.spatial, leader.len(), true).map_err(&err)?;
                 let (lh, lw) = (leader[lroles.y], leader[lroles.x]);
                 if Some(h) != pair.scale.checked_mul(lh) || Some(w) != pair.scale.checked_mul(lw) {
                     return Err(err(format!(

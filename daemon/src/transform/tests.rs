@@ -547,3 +547,25 @@ fn row_writer_equals_the_element_writer_for_every_dtype_flip_crop_and_layout() {
         }
     }
 }
+
+#[test]
+fn fewer_than_two_dimensions_take_element_steps_only() {
+    // A scalar label cast, a feature vector normalized per element and permuted.
+    let cast = chain(vec![Step::Cast { dtype: DType::I16 }]);
+    assert_eq!(cast.output(DType::I64, &[]).unwrap(), (DType::I16, vec![]));
+    let label: Vec<u8> = 70_000i64.to_ne_bytes().to_vec();
+    assert_eq!(run(&cast, &label, DType::I64, &[], KEY), (70_000i64 as i16).to_ne_bytes().to_vec());
+    let norm = chain(vec![
+        Step::Normalize { mean: vec![1.0, 2.0, 3.0], std: vec![1.0, 2.0, 4.0] },
+        Step::Permute { axes: vec![0] },
+    ]);
+    let feat: Vec<u8> = [3.0f32, 6.0, 11.0].iter().flat_map(|v| v.to_ne_bytes()).collect();
+    let out = run(&norm, &feat, DType::F32, &[3], KEY);
+    let got: Vec<f32> = out.chunks_exact(4).map(|b| f32::from_ne_bytes(b.try_into().unwrap())).collect();
+    assert_eq!(got, [2.0, 2.0, 2.0]);
+    // Geometry needs two spatial axes: refused, naming what a 1-d field takes.
+    for step in [Step::RandomHFlip, Step::ToChw, Step::Downsample { factor: 2, mean: true }] {
+        let err = chain(vec![step]).output(DType::F32, &[Some(4)]).unwrap_err().to_string();
+        assert!(err.contains("takes only cast, normalize and permute"), "{err}");
+    }
+}
