@@ -415,6 +415,9 @@ fn throughput() {
         .collect();
     let cases: Vec<(&str, Vec<FilterSpec>, Vec<u8>)> = vec![
         ("deflate", vec![spec(id::DEFLATE, &[])], zlib(&raw)),
+        ("shuffle 2-byte (no compression)", vec![spec(id::SHUFFLE, &[2])], shuffle(&raw, 2)),
+        ("shuffle 4-byte (no compression)", vec![spec(id::SHUFFLE, &[4])], shuffle(&raw, 4)),
+        ("shuffle 8-byte (no compression)", vec![spec(id::SHUFFLE, &[8])], shuffle(&raw, 8)),
         ("shuffle+deflate", vec![spec(id::SHUFFLE, &[4]), spec(id::DEFLATE, &[])], zlib(&shuffle(&raw, 4))),
         (
             "shuffle+deflate+fletcher32",
