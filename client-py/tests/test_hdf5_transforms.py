@@ -187,9 +187,15 @@ def test_lmdb_lr_hr_vflip_rot90_pairing_like_basicsr(
 def test_bad_steps_are_refused_naming_field_and_step(
     stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
 ) -> None:
-    _write(tmp_path / "b.h5", x=np.zeros((4, 6, 5), np.uint8), y=np.zeros((4, 6, 6), np.uint8), v=np.zeros((4, 3)))
+    _write(
+        tmp_path / "b.h5",
+        x=np.zeros((4, 6, 5), np.uint8),
+        y=np.zeros((4, 6, 6), np.uint8),
+        v=np.zeros((4, 3)),
+        s=np.zeros(4),
+    )
     glob = str(tmp_path / "b.h5")
-    fields = {"x": "x", "y": "y", "v": "v"}
+    fields = {"x": "x", "y": "y", "v": "v", "s": "s"}
     with pytest.raises(ValueError) as exc:
         stoker.hdf5(glob, fields=fields, transforms={"x": ["twirl"]})
     assert_names(str(exc.value), "'x'", "twirl", "rot90")
@@ -205,6 +211,10 @@ def test_bad_steps_are_refused_naming_field_and_step(
         ({"y": [{"normalize": {"stats": str(tmp_path / "none.yaml")}}]}, "none.yaml"),
         ({"y": [{"downsample": 7}]}, "downsample by 7"),
         ({"v": ["hflip"]}, "takes only cast, normalize and permute"),
+        ({"y": [{"random_crop": 0}]}, "random_crop 0×0 has a zero size"),
+        ({"v": [{"normalize": {"mean": [1, 2], "std": [1, 1]}}]}, "normalize has 2 means"),
+        # A 0-d field has no axis for per-channel statistics (it reached an index panic).
+        ({"s": [{"normalize": {"mean": [1, 2], "std": [1, 1]}}]}, "normalize has 2 means"),
     ]
     for transforms, step in cases:
         field = next(iter(transforms))

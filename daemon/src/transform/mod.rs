@@ -254,7 +254,7 @@ impl Chain {
                 | Step::Resize { height, width, .. }
                     if *height == 0 || *width == 0 =>
                 {
-                    return Err(invalid(format!("{step:?} has a zero size")));
+                    return Err(invalid(format!("{} has a zero size", step.describe())));
                 }
                 Step::Normalize { mean, std } => {
                     if mean.is_empty() || mean.len() != std.len() {
@@ -304,7 +304,10 @@ impl Chain {
                 _ => {}
             }
             if chw && step.is_geometric() {
-                return Err(invalid(format!("{step:?} comes after to_chw; crops, resizes and flips go before it")));
+                return Err(invalid(format!(
+                    "{} comes after chw; crops, resizes and flips go before it",
+                    step.describe()
+                )));
             }
         }
         if let Some(pair) = &pair {

@@ -550,7 +550,7 @@ impl Chain {
                 Step::Normalize { mean, .. } => {
                     if mean.len() > 1 {
                         let last = shape.last().copied().flatten();
-                        if last.is_some_and(|c| c != mean.len() as u64) {
+                        if shape.is_empty() || last.is_some_and(|c| c != mean.len() as u64) {
                             return Err(input(format!(
                                 "normalize has {} means for the last axis of {}; give one per element of that axis, \
                                  or one for all",

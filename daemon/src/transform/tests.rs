@@ -569,3 +569,54 @@ fn fewer_than_two_dimensions_take_element_steps_only() {
         assert!(err.contains("takes only cast, normalize and permute"), "{err}");
     }
 }
+
+/// One step drawn from small parameters (sizes and axes often out of range).
+fn any_step(kind: u8, a: u64, b: u64, axes: &[usize]) -> Step {
+    const DTYPES: [DType; 6] = [DType::U8, DType::U16, DType::I64, DType::F16, DType::F32, DType::F64];
+    match kind % 12 {
+        0 => Step::CenterCrop { height: a, width: b },
+        1 => Step::RandomCrop { height: a, width: b },
+        2 => Step::RandomHFlip,
+        3 => Step::RandomVFlip,
+        4 => Step::RandomRot90,
+        5 => Step::Cast { dtype: DTYPES[a as usize % DTYPES.len()] },
+        6 => Step::Normalize { mean: vec![0.5; 1 + a as usize % 4], std: vec![2.0; 1 + a as usize % 4] },
+        7 => Step::NormalizeTrailing {
+            mean: vec![0.5; (a * b) as usize],
+            std: vec![2.0; (a * b) as usize],
+            dims: vec![a, b],
+        },
+        8 => Step::Permute { axes: axes.to_vec() },
+        9 => Step::Downsample { factor: a, mean: b.is_multiple_of(2) },
+        10 => Step::ToChw,
+        _ => Step::ToF32 { scale: 0.5 },
+    }
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(4096))]
+    /// The class behind a 0-d field reaching an index panic with per-channel
+    /// means: whatever steps, shape and dtype a user sends, a chain that
+    /// validates either refuses the array or writes exactly its output,
+    /// never panics.
+    #[test]
+    fn any_chain_on_any_array_refuses_or_writes_its_output(
+        steps in proptest::collection::vec((0u8..12, 0u64..6, 0u64..6, proptest::collection::vec(0usize..5, 0..5)), 0..5),
+        shape in proptest::collection::vec(1u64..6, 0..5),
+        dtype in 0usize..4,
+        index: u64,
+    ) {
+        let dtype = [DType::U8, DType::I16, DType::F32, DType::F64][dtype];
+        let steps: Vec<Step> = steps.iter().map(|(k, a, b, axes)| any_step(*k, *a, *b, axes)).collect();
+        let Ok(chain) = Chain::new("x", steps, None) else { return Ok(()) };
+        let known: Vec<Option<u64>> = shape.iter().map(|&d| Some(d)).collect();
+        let Ok((out_dtype, out_shape)) = chain.output(dtype, &known) else { return Ok(()) };
+        let elems: u64 = shape.iter().product();
+        let input: Vec<u8> = (0..elems as usize * dtype.size()).map(|i| (i * 37 % 251) as u8).collect();
+        let bytes = out_shape.iter().map(|d| d.unwrap()).product::<u64>() as usize * out_dtype.size();
+        let mut dst = vec![0xEEu8; bytes];
+        let applied =
+            chain.apply(ArrayRef { bytes: &input, dtype, shape: &shape }, key(index), None, &mut Scratch::new(), &mut dst);
+        proptest::prop_assert!(applied.is_ok(), "{:?} on {dtype} {shape:?}: {applied:?}", chain.steps());
+    }
+}
