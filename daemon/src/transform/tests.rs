@@ -620,3 +620,58 @@ proptest::proptest! {
         proptest::prop_assert!(applied.is_ok(), "{:?} on {dtype} {shape:?}: {applied:?}", chain.steps());
     }
 }
+
+/// `step` with its sizes times `scale` (a paired field's copy of its leader's).
+fn scaled(step: &Step, scale: u64) -> Step {
+    match step {
+        Step::CenterCrop { height, width } => Step::CenterCrop { height: height * scale, width: width * scale },
+        Step::RandomCrop { height, width } => Step::RandomCrop { height: height * scale, width: width * scale },
+        other => other.clone(),
+    }
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2048))]
+    /// Paired fields (LR/HR, input/output windows): whatever the two arrays'
+    /// shapes, once both chains validate and pair, the follower given the
+    /// leader's shape refuses a mismatch or writes its output, never panics.
+    #[test]
+    fn any_paired_chains_refuse_or_write_their_outputs(
+        steps in proptest::collection::vec((0u8..12, 0u64..5, 0u64..5, proptest::collection::vec(0usize..4, 0..4)), 0..4),
+        extra in proptest::collection::vec((5u8..12, 0u64..4, 0u64..4, proptest::collection::vec(0usize..4, 0..4)), 0..2),
+        lead in proptest::collection::vec(1u64..6, 0..4),
+        other in proptest::collection::vec(1u64..13, 0..4),
+        matching: bool,
+        scale in 1u64..4,
+        index: u64,
+    ) {
+        let steps: Vec<Step> = steps.iter().map(|(k, a, b, axes)| any_step(*k, *a, *b, axes)).collect();
+        let mut mine: Vec<Step> = steps.iter().map(|s| scaled(s, scale)).collect();
+        mine.extend(extra.iter().map(|(k, a, b, axes)| any_step(*k, *a, *b, axes)));
+        let Ok(leader) = Chain::new("lr", steps, None) else { return Ok(()) };
+        let pair = Pair { with: "lr".into(), scale };
+        let Ok(follower) = Chain::new("hr", mine, Some(pair)) else { return Ok(()) };
+        if follower.check_pair(&leader).is_err() {
+            return Ok(());
+        }
+        // Mostly the leader's shape scaled on its two spatial axes, as pairs are.
+        let follow: Vec<u64> = if matching {
+            lead.iter().enumerate().map(|(i, &d)| if i < 2 { d * scale } else { d }).collect()
+        } else {
+            other
+        };
+        let known: Vec<Option<u64>> = follow.iter().map(|&d| Some(d)).collect();
+        let Ok((out_dtype, out_shape)) = follower.output(DType::U8, &known) else { return Ok(()) };
+        let input: Vec<u8> = (0..follow.iter().product::<u64>()).map(|i| (i * 37 % 251) as u8).collect();
+        let bytes = out_shape.iter().map(|d| d.unwrap()).product::<u64>() as usize * out_dtype.size();
+        let mut dst = vec![0xEEu8; bytes];
+        // Only panics fail: a leader shape that does not fit is an error to report.
+        let _ = follower.apply(
+            ArrayRef { bytes: &input, dtype: DType::U8, shape: &follow },
+            key(index),
+            Some(&lead),
+            &mut Scratch::new(),
+            &mut dst,
+        );
+    }
+}
