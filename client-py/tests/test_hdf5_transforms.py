@@ -264,3 +264,40 @@ transforms = {{ x = [{{ center_crop = {{ height = 4, width = 6 }} }}, {{ to_f32 
 
 def test_step_names_come_from_the_daemon_definition(stoker: Any) -> None:
     assert {"hflip", "vflip", "rot90", "cast", "normalize", "permute", "downsample", "chw"} <= set(stoker.TRANSFORM_STEPS)
+
+
+def test_hostile_statistics_files_are_refused_and_the_daemon_serves_on(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A statistics file is the user's: deep indentation aborted the daemon
+    (stack overflow while the YAML tree was built and dropped); deep flow
+    lists, alias bombs, binary, NaN/zero std and wrong lengths are refused
+    naming the file or the step, and the daemon serves the next stream."""
+    _write(tmp_path / "p.h5", x=np.arange(12, dtype=np.float32).reshape(4, 3))
+    bomb = "".join(f"{c}: &{c} [{','.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcde", "bcdef"))
+    texts = {
+        "block.yaml": ("mean:\n" + "".join(" " * i + "a:\n" for i in range(1, 5000)), "more than 16 deep"),
+        "flow.yaml": ("mean:\n  x: " + "[" * 100_000 + "]" * 100_000 + "\nstd:\n  x: 1\n", "flow.yaml"),
+        "bomb.yaml": ("a: &a [1,1,1,1,1,1,1,1,1]\n" + bomb + "mean: {x: *f}\nstd: {x: *f}\n", "bomb.yaml"),
+        "binary.yaml": ("\x00\xff" * 1000, "binary.yaml"),
+        "zero.yaml": ("mean: {x: .nan}\nstd: {x: 0}\n", "finite"),
+        "long.yaml": ("mean: {x: [" + ",".join(["1"] * 100_000) + "]}\nstd: {x: [" + ",".join(["1"] * 100_000) + "]}\n", "100000 means"),
+    }
+    d = start_daemon()
+    for name, (text, expect) in texts.items():
+        (tmp_path / name).write_text(text, encoding="latin-1")
+        spec = stoker.hdf5(
+            str(tmp_path / "p.h5"), fields={"x": "x"}, transforms={"x": [{"normalize": {"stats": str(tmp_path / name)}}]}
+        )
+        with pytest.raises(stoker.DatasetError) as exc:
+            stoker.Loader(spec, batch_size=2, socket=d.socket)
+        assert_names(str(exc.value), expect)
+        assert d.alive(), name
+    (tmp_path / "ok.yaml").write_text("mean: {x: [1, 2, 3]}\nstd: {x: [2, 2, 2]}\n")
+    spec = stoker.hdf5(
+        str(tmp_path / "p.h5"), fields={"x": "x"}, transforms={"x": [{"normalize": {"stats": str(tmp_path / "ok.yaml")}}]}
+    )
+    with stoker.Loader(spec, batch_size=4, shuffle=False, socket=d.socket) as loader:
+        (batch,) = list(loader)
+    want = (np.arange(12, dtype=np.float32).reshape(4, 3) - np.array([1, 2, 3], np.float32)) / 2
+    np.testing.assert_allclose(np.asarray(batch["x"]), want, rtol=1e-6)

@@ -8,6 +8,7 @@ every problem with its line.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import tomllib
@@ -355,3 +356,24 @@ def test_validate_toml_error_names_its_line(tmp_path: Path) -> None:
     res = validate(config)
     assert res.returncode != 0
     assert "line 4" in res.stderr, res.stderr
+
+
+def test_inspect_walks_each_group_once_through_hard_link_cycles(tmp_path: Path) -> None:
+    """Hard links can make a group its own descendant: inspect recursed
+    until the stack overflowed. Each group is now walked once (as h5py's
+    visititems does), so every dataset is listed under its first path."""
+    path = tmp_path / "cycle.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("a/x", data=np.arange(6, dtype=np.float32).reshape(3, 2))
+        f.create_dataset("b/y", data=np.arange(4, dtype=np.int16))
+        f["a/up"] = f  # a hard link to the root: / → a → up → / …
+        f["b/a_again"] = f["a"]
+        f["b/self"] = f["b"]
+        seen = []
+        f.visititems(lambda name, obj: seen.append(name) if isinstance(obj, h5py.Dataset) else None)
+    res = subprocess.run(
+        [str(stoker_bin()), "inspect", "--json", str(path)], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    listed = sorted(d["path"] for d in json.loads(res.stdout))
+    assert listed == sorted(seen) == ["a/x", "b/y"], listed

@@ -42,17 +42,38 @@ pub fn inspect(path: &Path) -> anyhow::Result<Vec<DatasetReport>> {
     let file = hdf5::File::open(path).map_err(|e| anyhow::anyhow!("cannot open {} as HDF5: {e}", path.display()))?;
     let cache = CacheCtx::disabled();
     let mut out = Vec::new();
-    visit(&file, "", &cache, &mut out)?;
+    let mut seen = Vec::new();
+    visit(&file, "", &cache, &mut seen, &mut out)?;
     Ok(out)
 }
 
-fn visit(group: &hdf5::Group, prefix: &str, cache: &CacheCtx, out: &mut Vec<DatasetReport>) -> anyhow::Result<()> {
+/// Deepest group nesting `inspect` walks (a file's own layout is a few deep).
+const MAX_GROUP_DEPTH: usize = 64;
+
+/// Reports the datasets beneath `group`, each group once: hard links can
+/// make cycles (a group linking to its parent), which recursed until the
+/// stack overflowed, and repeated links could multiply the walk.
+fn visit(
+    group: &hdf5::Group,
+    prefix: &str,
+    cache: &CacheCtx,
+    seen: &mut Vec<(u64, hdf5::LocationToken)>,
+    out: &mut Vec<DatasetReport>,
+) -> anyhow::Result<()> {
+    let info = group.loc_info()?;
+    if seen.contains(&(info.fileno, info.token)) {
+        return Ok(());
+    }
+    seen.push((info.fileno, info.token));
+    if prefix.split('/').count() > MAX_GROUP_DEPTH {
+        anyhow::bail!("group {prefix:?} is nested more than {MAX_GROUP_DEPTH} deep");
+    }
     let mut names = group.member_names()?;
     names.sort();
     for name in names {
         let path = if prefix.is_empty() { name.clone() } else { format!("{prefix}/{name}") };
         match group.loc_type_by_name(&name) {
-            Ok(LocationType::Group) => visit(&group.group(&name)?, &path, cache, out)?,
+            Ok(LocationType::Group) => visit(&group.group(&name)?, &path, cache, seen, out)?,
             Ok(LocationType::Dataset) => out.push(report(group.dataset(&name)?, path, cache)),
             _ => {}
         }

@@ -3,16 +3,22 @@
 //! tensor fields), or the same in JSON, which is YAML too.
 
 use saphyr::{LoadableYamlNode, Yaml};
+use saphyr_parser::{Event, Parser};
 
 use super::Step;
 
 /// Most bytes a statistics file may have (The Well's are a few KiB).
 pub const MAX_STATS_BYTES: u64 = 16 << 20;
 
+/// Deepest nesting of maps and lists a statistics file may have (The
+/// Well's: 3, `mean:` → field → a list of lists for a tensor field).
+const MAX_DEPTH: usize = 16;
+
 /// The `normalize` step for entry `key` of the statistics file `text`
 /// (`path` names it in errors): one value normalizes every element, a list
 /// the last axis, a nested list the trailing axes of its shape.
 pub fn normalize_step(text: &str, path: &str, key: &str) -> Result<Step, String> {
+    check_depth(text, path)?;
     let docs = Yaml::load_from_str(text).map_err(|e| format!("{path} is not YAML: {e}"))?;
     let Some(doc) = docs.first() else { return Err(format!("{path} is empty")) };
     let entry = |which: &str| -> Result<(Vec<f32>, Vec<u64>), String> {
@@ -40,6 +46,33 @@ pub fn normalize_step(text: &str, path: &str, key: &str) -> Result<Step, String>
         0 | 1 => Step::Normalize { mean, std },
         _ => Step::NormalizeTrailing { mean, std, dims: mean_dims },
     })
+}
+
+/// Refuses a file nested deeper than [`MAX_DEPTH`], before a tree is built:
+/// saphyr limits flow nesting (`[[[…`) but not block nesting (indented
+/// maps), and builds and drops its tree recursively, so a few thousand
+/// indented levels overflowed the thread's stack and aborted the daemon.
+/// The event parser runs in constant stack.
+fn check_depth(text: &str, path: &str) -> Result<(), String> {
+    let mut depth = 0usize;
+    for event in Parser::new_from_str(text) {
+        let (event, span) = event.map_err(|e| format!("{path} is not YAML: {e}"))?;
+        match event {
+            Event::SequenceStart(..) | Event::MappingStart(..) => {
+                depth += 1;
+                if depth > MAX_DEPTH {
+                    return Err(format!(
+                        "{path} nests maps and lists more than {MAX_DEPTH} deep (line {}); a statistics file holds \
+                         mean and std maps of numbers or lists",
+                        span.start.line()
+                    ));
+                }
+            }
+            Event::SequenceEnd | Event::MappingEnd => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// Appends the numbers of `node` (a number or rectangular nested lists) to
@@ -114,5 +147,29 @@ std:
         assert!(normalize_step("mean: {a: 1}", "s", "a").unwrap_err().contains("\"std\""));
         assert!(normalize_step("mean: {a: [[1, 2], [3]]}\nstd: {a: 1}", "s", "a").unwrap_err().contains("rectangular"));
         assert!(normalize_step("mean: {a: x}\nstd: {a: 1}", "s", "a").unwrap_err().contains("not a number"));
+    }
+
+    /// Deep block nesting overflowed the stack (an abort, not an error)
+    /// while saphyr built or dropped the tree; flow nesting and alias
+    /// bombs are refused too. Run on a thread with a worker's 2 MiB stack.
+    #[test]
+    fn hostile_nesting_is_refused_without_recursion() {
+        let block: String =
+            "mean:\n".to_string() + &(1..20_000).map(|i| format!("{}a:\n", " ".repeat(i))).collect::<String>();
+        let flow = format!("mean:\n  x: {}{}\nstd:\n  x: 1\n", "[".repeat(100_000), "]".repeat(100_000));
+        let bomb = "a: &a [1,1,1,1,1,1,1,1,1]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\n\
+                    d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]\ne: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]\nmean: {x: *e}\nstd: {x: *e}\n";
+        let errors = std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(move || [block, flow, bomb.to_string()].map(|t| normalize_step(&t, "/s.yaml", "x").unwrap_err()))
+            .unwrap()
+            .join()
+            .unwrap();
+        assert!(errors[0].contains("more than 16 deep"), "{}", errors[0]);
+        assert!(errors[1].contains("/s.yaml"), "{}", errors[1]);
+        assert!(errors[2].contains("/s.yaml"), "{}", errors[2]);
+        // Tensor fields a few lists deep still load.
+        let tensor = "mean: {x: [[[1, 2]], [[3, 4]]]}\nstd: {x: [[[1, 1]], [[2, 2]]]}\n";
+        assert!(matches!(normalize_step(tensor, "s", "x"), Ok(Step::NormalizeTrailing { .. })));
     }
 }
