@@ -230,6 +230,27 @@ def test_the_well_layout_serves_windows_once_per_epoch_across_ranks(start_daemon
         assert len(set(seen)) == n, "every window exactly once (plus wrap-around padding)"
 
 
+def _serve_with_chunk_16_bad(start_daemon, stoker, tmp_path: Path, path: Path, data) -> str:
+    """Serves `path` (fields `index`, `x`; batches of 8, chunk rows 16..24 of
+    `x` damaged) beside a good dataset, and returns the one error: only the
+    batch over the bad chunk fails, and everyone else is served."""
+    daemon = start_daemon(allowed_roots=[tmp_path])
+    bad = stoker.Loader(stoker.hdf5(str(path), fields={"index": "index", "x": "x"}), batch_size=8, shuffle=False, socket=daemon.socket)
+    good = stoker.Loader(data.spec(stoker), batch_size=8, shuffle=True, socket=daemon.socket)
+    it = iter(bad)
+    errors, rows = [], []
+    for _ in range(len(bad)):
+        try:
+            rows += next(it)["index"].tolist()
+        except stoker.DatasetError as e:
+            errors.append(str(e))
+    assert len(errors) == 1, errors
+    assert rows == list(range(0, 16)) + list(range(24, 40))
+    assert sorted(i for b in good for i in data.check_batch(b)) == list(range(data.n))
+    assert daemon.alive()
+    return errors[0]
+
+
 def test_corrupt_chunk_names_file_field_and_chunk(start_daemon, stoker, tmp_path: Path, data) -> None:
     root = tmp_path / "corrupt"
     root.mkdir()
@@ -245,23 +266,8 @@ def test_corrupt_chunk_names_file_field_and_chunk(start_daemon, stoker, tmp_path
     raw[middle : middle + 16] = bytes(16)
     path.write_bytes(bytes(raw))
 
-    daemon = start_daemon(allowed_roots=[tmp_path])
-    bad = stoker.Loader(stoker.hdf5(str(path), fields={"index": "index", "x": "x"}), batch_size=8, shuffle=False, socket=daemon.socket)
-    good = stoker.Loader(data.spec(stoker), batch_size=8, shuffle=True, socket=daemon.socket)
-    it = iter(bad)
-    errors = []
-    rows = []
-    for _ in range(len(bad)):
-        try:
-            rows += next(it)["index"].tolist()
-        except stoker.DatasetError as e:
-            errors.append(str(e))
-    assert len(errors) == 1, errors
-    msg = errors[0]
+    msg = _serve_with_chunk_16_bad(start_daemon, stoker, tmp_path, path, data)
     assert str(path) in msg and '"x"' in msg and "[16, 0]" in msg, msg
-    assert rows == list(range(0, 16)) + list(range(24, 40))
-    assert sorted(i for b in good for i in data.check_batch(b)) == list(range(data.n))
-    assert daemon.alive()
 
 
 def test_chunk_index_size_past_the_file_fails_its_batch_before_allocating(start_daemon, stoker, tmp_path: Path, data) -> None:
@@ -289,21 +295,8 @@ def test_chunk_index_size_past_the_file_fails_its_batch_before_allocating(start_
     with h5py.File(path) as f, pytest.raises(Exception):
         f["x"][16]  # the reference reader fails on it too
 
-    daemon = start_daemon(allowed_roots=[tmp_path])
-    bad = stoker.Loader(stoker.hdf5(str(path), fields={"index": "index", "x": "x"}), batch_size=8, shuffle=False, socket=daemon.socket)
-    good = stoker.Loader(data.spec(stoker), batch_size=8, shuffle=True, socket=daemon.socket)
-    it = iter(bad)
-    errors, rows = [], []
-    for _ in range(len(bad)):
-        try:
-            rows += next(it)["index"].tolist()
-        except stoker.DatasetError as e:
-            errors.append(str(e))
-    assert len(errors) == 1, errors
-    assert str(path) in errors[0] and '"x"' in errors[0] and "[16, 0]" in errors[0] and "end of the file" in errors[0], errors[0]
-    assert rows == list(range(0, 16)) + list(range(24, 40))
-    assert sorted(i for b in good for i in data.check_batch(b)) == list(range(data.n))
-    assert daemon.alive()
+    msg = _serve_with_chunk_16_bad(start_daemon, stoker, tmp_path, path, data)
+    assert str(path) in msg and '"x"' in msg and "[16, 0]" in msg and "end of the file" in msg, msg
 
 
 def test_contradictory_window_spec_is_refused_naming_the_dataset(start_daemon, stoker, tmp_path: Path) -> None:
