@@ -31,6 +31,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
+# A suite started in the background of a non-interactive shell (`cmd &`, as a
+# CI runner may do) inherits SIGINT and SIGQUIT ignored, and an ignored signal
+# stays ignored across exec: Python then installs no KeyboardInterrupt
+# handler, and the tests that press Ctrl-C on a client or on `stoker status
+# --watch` would wait forever. Catching them here resets them to their default
+# in every process the tests exec.
+for _sig, _handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGQUIT, signal.SIG_DFL)):
+    if signal.getsignal(_sig) == signal.SIG_IGN:
+        signal.signal(_sig, _handler)
+
 #: How long a daemon may take to start listening before the fixture gives up.
 READY_TIMEOUT_S = 20.0
 #: How long a daemon may take to exit after SIGTERM before it is SIGKILLed.
