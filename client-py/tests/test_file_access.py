@@ -189,7 +189,7 @@ try:
     if args["kind"] == "lmdb":
         spec = stoker.lmdb(args["files"], fields={"x": {"codec": "raw", "dtype": "int32", "shape": [2]}})
     else:
-        spec = stoker.hdf5(args["files"], fields={"x": "x"}, transforms=args.get("transforms"))
+        spec = stoker.hdf5(args["files"], fields=args["fields"], transforms=args.get("transforms"))
     loader = stoker.Loader(spec, batch_size=4, shuffle=False, socket=args["socket"], timeout=60)
     x = np.concatenate([np.array(b["x"]) for b in loader])
     print(json.dumps({"ok": x.tolist()}))
@@ -199,9 +199,17 @@ except stoker.StokerError as e:
 
 
 def run_as(
-    uid: int, gid: int, groups: list[int], socket: str, files: str, kind: str = "hdf5", transforms: Any = None
+    uid: int,
+    gid: int,
+    groups: list[int],
+    socket: str,
+    files: str,
+    kind: str = "hdf5",
+    transforms: Any = None,
+    fields: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     args = {"socket": socket, "files": files, "uid": uid, "gid": gid, "groups": groups, "kind": kind}
+    args["fields"] = fields or {"x": "x"}
     if transforms is not None:
         args["transforms"] = transforms
     res = subprocess.run(
@@ -276,6 +284,121 @@ def test_client_reads_only_what_it_may(stoker: Any, other_user: tuple[int, int, 
         # Root itself still reads the secret file.
         x = read_all(stoker, stoker.hdf5(str(secret / "s.h5"), fields={"x": "x"}), d.socket)
         assert (x == 999).all()
+    finally:
+        if d is not None:
+            d.stop()
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _write_redirects(public: Path, secret: Path) -> dict[str, Path]:
+    """HDF5 files in `public` whose field `x` takes its values from `secret`:
+    through an external link (to the dataset, or to a group on the way), a
+    virtual dataset, and external raw storage (any file's bytes, not only
+    HDF5's). libhdf5 opens those files itself, by path, when it meets them."""
+    raw = secret / "raw.bin"
+    raw.write_bytes(np.full((4, 2), 999, dtype="<i4").tobytes())
+    os.chmod(raw, 0o600)
+    out = {name: public / f"{name}.h5" for name in ("elink", "elink_group", "vds", "efl")}
+    with h5py.File(out["elink"], "w") as f:
+        f["x"] = h5py.ExternalLink(str(secret / "s.h5"), "/x")
+    with h5py.File(out["elink_group"], "w") as f:
+        f["g"] = h5py.ExternalLink(str(secret / "s.h5"), "/")
+    layout = h5py.VirtualLayout(shape=(4, 2), dtype="<i4")
+    layout[:] = h5py.VirtualSource(str(secret / "s.h5"), "x", shape=(4, 2))
+    with h5py.File(out["vds"], "w") as f:
+        f.create_virtual_dataset("x", layout)
+    with h5py.File(out["efl"], "w") as f:
+        f.create_dataset("x", shape=(4, 2), dtype="<i4", external=[(str(raw), 0, 32)])
+    for path in out.values():
+        os.chmod(path, 0o644)
+    return out
+
+
+def _assert_refused(got: dict[str, Any], path: Path, name: str) -> None:
+    assert "ok" not in got, (name, got)
+    assert got["error"] == "DatasetError", (name, got)
+    assert str(path) in got["message"] and '"x"' in got["message"], (name, got)
+    assert "name the file that holds the data" in got["message"], (name, got)
+    assert "999" not in got["message"], (name, got)
+
+
+def _fields(name: str) -> dict[str, str]:
+    return {"x": "g/x"} if name == "elink_group" else {"x": "x"}
+
+
+def test_hdf5_files_cannot_lead_the_daemon_outside_the_allowed_roots(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A file beneath the allowed roots whose field is an external link, a
+    virtual dataset or external raw storage would have libhdf5 open a file
+    outside them, by path (a virtual dataset and external storage were served,
+    an external link read the other file's chunk offsets from this one). Each
+    is refused when the stream opens, naming file, field and what to do;
+    `stoker inspect` marks them not servable; the daemon serves on."""
+    public, outside = tmp_path / "root", tmp_path / "outside"
+    public.mkdir()
+    outside.mkdir()
+    write_rows(public / "p.h5", np.arange(8, dtype="<i4").reshape(4, 2))
+    write_rows(outside / "s.h5", np.full((4, 2), 999, dtype="<i4"))
+    escapes = _write_redirects(public, outside)
+    d = start_daemon(allowed_roots=[public])
+    for name, path in escapes.items():
+        with pytest.raises(stoker.DatasetError) as exc:
+            read_all(stoker, stoker.hdf5(str(path), fields=_fields(name)), d.socket)
+        _assert_refused({"error": "DatasetError", "message": str(exc.value)}, path, name)
+        # The same file named in a glob with a good one: the whole open is refused.
+        with pytest.raises(stoker.DatasetError):
+            read_all(stoker, stoker.hdf5(str(public / "*.h5"), fields=_fields(name)), d.socket)
+    assert not [t for t in fd_targets(d.proc.pid) if str(outside) in t]
+    x = read_all(stoker, stoker.hdf5(str(public / "p.h5"), fields={"x": "x"}), d.socket)
+    assert (x == np.arange(8).reshape(4, 2)).all()
+    assert d.alive()
+    # stoker inspect follows no external link and says why each is not servable.
+    for name, path in escapes.items():
+        res = subprocess.run(
+            [str(stoker_bin()), "inspect", "--json", str(path)], capture_output=True, text=True, timeout=60
+        )
+        assert res.returncode == 0, res.stderr
+        reports = {r["path"]: r for r in json.loads(res.stdout)}
+        top = "g" if name == "elink_group" else "x"
+        assert not reports[top]["servable"], (name, reports)
+        assert "not servable" in reports[top]["read_path"], (name, reports)
+        assert "999" not in res.stdout
+
+
+def test_hdf5_files_cannot_read_another_users_files_through_the_daemon(
+    stoker: Any, other_user: tuple[int, int, int]
+) -> None:
+    """The same redirections, made by a user to a file only root may read,
+    with the daemon running as root: refused, and the values never reach the
+    user."""
+    uid, gid, extra_gid = other_user
+    base = Path(tempfile.mkdtemp(prefix="stk-fa-", dir="/tmp"))
+    workdir = Path(tempfile.mkdtemp(prefix="stk-", dir="/tmp"))
+    d = None
+    try:
+        os.chmod(base, 0o755)
+        os.chmod(workdir, 0o755)
+        public = base / "public"
+        public.mkdir(mode=0o755)
+        secret = base / "secret"
+        secret.mkdir(mode=0o700)
+        write_rows(public / "p.h5", np.arange(8, dtype="<i4").reshape(4, 2))
+        write_rows(secret / "s.h5", np.full((4, 2), 999, dtype="<i4"))
+        os.chmod(secret / "s.h5", 0o600)
+        redirects = _write_redirects(public, secret)
+        config = make_config(str(workdir / "stoker.sock"), allowed_roots=[base])
+        config = config.replace("[server]\n", f"[server]\nallowed_uids = [{uid}]\n", 1)
+        d = Daemon(workdir, config)
+        os.chmod(d.socket, 0o777)
+        for name, path in redirects.items():
+            got = run_as(uid, gid, [extra_gid], d.socket, str(path), fields=_fields(name))
+            _assert_refused(got, path, name)
+        assert not [t for t in fd_targets(d.proc.pid) if str(secret) in t]
+        got = run_as(uid, gid, [extra_gid], d.socket, str(public / "p.h5"))
+        assert got.get("ok") == np.arange(8).reshape(4, 2).tolist(), got
+        assert d.alive()
     finally:
         if d is not None:
             d.stop()

@@ -7,12 +7,12 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::path::{Path, PathBuf};
 
-use hdf5::LocationType;
 use hdf5::datatype::ByteOrder;
+use hdf5::{LinkType, LocationType};
 
 use crate::cache::CacheCtx;
 use crate::source::hdf5::classify;
-use crate::source::hdf5::field::FieldReader;
+use crate::source::hdf5::field::{FieldReader, NotOwn, open_own_dataset};
 
 /// One dataset of the file, as inspected.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -68,17 +68,47 @@ fn visit(
     if prefix.split('/').count() > MAX_GROUP_DEPTH {
         anyhow::bail!("group {prefix:?} is nested more than {MAX_GROUP_DEPTH} deep");
     }
-    let mut names = group.member_names()?;
-    names.sort();
-    for name in names {
+    // External links are not followed (the daemon would refuse them too).
+    let mut links = BTreeMap::new();
+    group.iter_visit_default(|name, info| {
+        links.insert(name.to_owned(), info.link_type);
+        Ok(())
+    })?;
+    for (name, link) in links {
         let path = if prefix.is_empty() { name.clone() } else { format!("{prefix}/{name}") };
+        if link == LinkType::External {
+            out.push(not_own(path, &NotOwn::ExternalLink("another file".into())));
+            continue;
+        }
         match group.loc_type_by_name(&name) {
             Ok(LocationType::Group) => visit(&group.group(&name)?, &path, cache, seen, out)?,
-            Ok(LocationType::Dataset) => out.push(report(group.dataset(&name)?, path, cache)),
+            Ok(LocationType::Dataset) => out.push(match open_own_dataset(group, &name) {
+                Ok(dataset) => report(dataset, path, cache),
+                Err(why @ NotOwn::Virtual(_)) => DatasetReport { layout: "virtual".into(), ..not_own(path, &why) },
+                Err(why @ NotOwn::ExternalStorage(_)) => {
+                    DatasetReport { layout: "external storage".into(), ..not_own(path, &why) }
+                }
+                Err(_) => report(group.dataset(&name)?, path, cache),
+            }),
             _ => {}
         }
     }
     Ok(())
+}
+
+/// A dataset whose values live in other files: not servable, and why.
+fn not_own(path: String, why: &NotOwn) -> DatasetReport {
+    DatasetReport {
+        path,
+        shape: Vec::new(),
+        dtype: "-".into(),
+        servable: false,
+        byte_order: "-".into(),
+        layout: "external link".into(),
+        chunks: None,
+        filters: Vec::new(),
+        read_path: format!("not servable: {}", why.explain().unwrap_or_default()),
+    }
 }
 
 fn report(dataset: hdf5::Dataset, path: String, cache: &CacheCtx) -> DatasetReport {

@@ -462,6 +462,113 @@ fn copy_region(
     }
 }
 
+/// Why a field cannot be served from the file it is named in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum NotOwn {
+    /// No dataset at that path (or libhdf5 could not open it).
+    Missing,
+    /// The path reaches another file through an external link (`file:object`).
+    ExternalLink(String),
+    /// A virtual dataset: its values are read from other files (the first named).
+    Virtual(String),
+    /// External raw storage: its values are the bytes of other files (the first named).
+    ExternalStorage(String),
+}
+
+impl NotOwn {
+    /// What is wrong and what to do, for an error that names file and field.
+    pub(crate) fn explain(&self) -> Option<String> {
+        let what = match self {
+            NotOwn::Missing => return None,
+            NotOwn::ExternalLink(to) => format!("is reached through an external link to {to}"),
+            NotOwn::Virtual(from) if from.is_empty() => {
+                "is a virtual dataset (its values are read from other files)".into()
+            }
+            NotOwn::Virtual(from) => format!("is a virtual dataset (its values are read from {from}, ...)"),
+            NotOwn::ExternalStorage(from) => format!("keeps its values in the external file {from}"),
+        };
+        Some(format!(
+            "{what}; stoker serves a file's own bytes, read through the handle it opened (with the client's \
+             rights, beneath the allowed roots), and follows no links into other files: name the file that holds \
+             the data instead (a glob concatenates files, as a virtual dataset would)"
+        ))
+    }
+}
+
+/// libhdf5's external-link traversal callback: never follows the link,
+/// records where it led (`op_data` is the `Option<String>` that
+/// [`open_own_dataset`] passes).
+extern "C" fn refuse_external_link(
+    _parent_file: *const c_char,
+    _parent_group: *const c_char,
+    child_file: *const c_char,
+    child_object: *const c_char,
+    _acc_flags: *mut c_uint,
+    _fapl: hdf5_sys::h5i::hid_t,
+    op_data: *mut std::ffi::c_void,
+) -> hdf5_sys::h5::herr_t {
+    let text = |p: *const c_char| {
+        if p.is_null() {
+            String::new()
+        } else {
+            // SAFETY: libhdf5 passes NUL-terminated names valid for the call.
+            unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned()
+        }
+    };
+    if !op_data.is_null() {
+        // SAFETY: `op_data` is the `&mut Option<String>` registered by
+        // `open_own_dataset`, alive across the H5Dopen2 that calls this.
+        let seen = unsafe { &mut *op_data.cast::<Option<String>>() };
+        seen.get_or_insert_with(|| format!("{}:{}", text(child_file), text(child_object)));
+    }
+    -1
+}
+
+/// Opens the dataset at `path` in `group` so that its values can only come
+/// from the group's file itself: external links on the way are not followed (libhdf5
+/// would open the other file by path, with the daemon's rights and outside
+/// the allowed roots, and the fast paths would read that file's offsets from
+/// this one), and virtual datasets and external raw storage (whose values
+/// libhdf5 reads from other files, by path, at read time) are refused.
+pub(crate) fn open_own_dataset(group: &hdf5::Group, path: &str) -> Result<hdf5::Dataset, NotOwn> {
+    use hdf5_sys::h5d::H5Dopen2;
+    use hdf5_sys::h5p::H5Pset_elink_cb;
+    let name = std::ffi::CString::new(path).map_err(|_| NotOwn::Missing)?;
+    let dapl = hdf5::plist::DatasetAccess::try_new().map_err(|_| NotOwn::Missing)?;
+    let mut followed: Option<String> = None;
+    let id = hdf5::sync::sync(|| {
+        // SAFETY: the group and property list ids are valid while their owners
+        // live; `followed` outlives the H5Dopen2 call that may pass it to the
+        // callback, and the property list (which keeps the pointer) is only
+        // used for this call and dropped below; under hdf5-metno's global lock.
+        unsafe {
+            let op_data = std::ptr::from_mut(&mut followed).cast::<std::ffi::c_void>();
+            if H5Pset_elink_cb(dapl.id(), Some(refuse_external_link), op_data) < 0 {
+                return -1;
+            }
+            H5Dopen2(group.id(), name.as_ptr(), dapl.id())
+        }
+    });
+    drop(dapl);
+    if let Some(to) = followed {
+        return Err(NotOwn::ExternalLink(to));
+    }
+    if id < 0 {
+        return Err(NotOwn::Missing);
+    }
+    // SAFETY: `id` is a dataset id just opened by libhdf5, owned by nobody else.
+    let dataset: hdf5::Dataset = unsafe { hdf5::from_id(id) }.map_err(|_| NotOwn::Missing)?;
+    let dcpl = dataset.dcpl().map_err(|_| NotOwn::Missing)?;
+    if dcpl.layout() == hdf5::plist::dataset_create::Layout::Virtual {
+        let from = dcpl.virtual_map().first().map_or_else(String::new, |m| m.src_filename.clone());
+        return Err(NotOwn::Virtual(from));
+    }
+    if let Some(first) = dcpl.external().first() {
+        return Err(NotOwn::ExternalStorage(first.name.clone()));
+    }
+    Ok(dataset)
+}
+
 /// Reads the chunked layout's metadata: chunk shape, filters, fill value.
 fn chunked(dataset: &hdf5::Dataset, file_type: &hdf5::Datatype, dims: &[u64], elem: usize) -> Result<Layout, String> {
     use hdf5_sys::h5d::H5Dget_create_plist;

@@ -760,10 +760,9 @@ fn open_file(
             h5path: h5path.clone(),
             message,
         };
-        let dataset = h5.dataset(h5path).map_err(|_| SourceError::MissingField {
-            path: path.to_owned(),
-            field: name.clone(),
-            h5path: h5path.clone(),
+        let dataset = field::open_own_dataset(&h5, h5path).map_err(|why| match why.explain() {
+            Some(message) => field_err(message),
+            None => SourceError::MissingField { path: path.to_owned(), field: name.clone(), h5path: h5path.clone() },
         })?;
         let shape: Vec<u64> = dataset.shape().iter().map(|&d| d as u64).collect();
         let (len, rest) = match shape.split_first() {
