@@ -593,3 +593,40 @@ def test_sigterm_stops_the_daemon(start_daemon, data, stoker) -> None:
         for batch in it:
             data.check_batch(batch)
     loader.close()
+
+
+def test_a_long_run_of_failed_batches_each_raises_its_dataset_error(
+    stoker: Any, start_daemon: Any, tmp_path: Path
+) -> None:
+    """Hundreds of failed batches in a row (values that do not decode): each
+    `next()` raises the `DatasetError` naming its key, and iteration goes on to
+    the end of the epoch. Taking a failed record frees a place in the record
+    queue, which the daemon could fill with newer failures before the client
+    fetched the taken one's message; that message was dropped and `next()`
+    raised `ProtocolError: ... has no record N with details to fetch`."""
+    from lmdb_data import key, photo, png_of, write_env
+
+    n, good = 600, 8
+    items = {key(i): b"\x89PNG not an image %d" % i for i in range(n)}
+    items.update({key(i): png_of(photo(32, 24, 3, seed=i)) for i in range(good)})
+    env = write_env(tmp_path / "env", items)
+    d = start_daemon()
+    for _ in range(3):
+        spec = stoker.lmdb(
+            str(env), fields={"im": {"codec": "png", "mode": "RGB"}}, transforms={"im": [{"resize": [16, 12]}]}
+        )
+        loader = stoker.Loader(spec, batch_size=1, shuffle=False, socket=d.socket, timeout=60)
+        served, failed = 0, []
+        it = iter(loader)
+        while True:
+            try:
+                next(it)
+                served += 1
+            except StopIteration:
+                break
+            except stoker.DatasetError as e:
+                failed.append(str(e))
+        loader.close()
+        assert served == good and len(failed) == n - good
+        assert all(f'key "{key(good + i)}"' in m for i, m in enumerate(failed)), failed[:3]
+    assert d.alive()

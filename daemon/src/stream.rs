@@ -50,6 +50,10 @@ use crate::source::{SampleRef, Source, SourceError};
 const MIN_ROWS_PER_TASK: u64 = 8;
 /// Window over which `stoker status` computes rates.
 const RATE_WINDOW: Duration = Duration::from_secs(5);
+/// Messages of failed batches kept for `Fetch`: every record the queue can
+/// hold untaken, and as many again taken and not yet fetched (a client's
+/// threads may each hold one).
+const MAX_FAILURES: usize = 2 * RECORDS as usize;
 
 /// Nanoseconds worker threads spent filling batches, summed over threads (the
 /// process has one worker pool, the daemon's).
@@ -976,7 +980,13 @@ impl Stream {
                 let record = Record { kind: RecordKind::Failed, slot: 0, segment: 0, epoch, step, rows: 0 };
                 let seq = self.publish_record(st, record);
                 st.failures.push_back((seq, epoch, step, message));
-                while st.failures.len() > RECORDS as usize {
+                // Bounded (a client that never fetches), but with room for
+                // more than the queue: a client that took a failed record
+                // freed a place, which a new one may fill before its `Fetch`
+                // arrives; with `RECORDS` here that taken one was dropped and
+                // its fetch answered "no record" (a `ProtocolError` after a
+                // run of failed batches).
+                while st.failures.len() > MAX_FAILURES {
                     st.failures.pop_front();
                 }
                 continue;
@@ -1406,6 +1416,56 @@ mod tests {
         assert!(matches!(stream.fetch(client.q.next_seq() - 1), Fetched::Unknown), "a message is fetched once");
         let rec = client.take();
         assert_eq!((rec.kind, rec.epoch, rec.step), (RecordKind::Batch, 3, 3));
+    }
+
+    /// Fails every sample, as a dataset of values that do not decode does.
+    #[derive(Debug)]
+    struct AllBad {
+        fields: Vec<FieldSpec>,
+    }
+
+    impl Source for AllBad {
+        fn len(&self) -> u64 {
+            4 * (u64::from(RECORDS) + 8)
+        }
+
+        fn fields(&self) -> &[FieldSpec] {
+            &self.fields
+        }
+
+        fn read_sample(&self, sample: SampleRef, _out: &mut [FieldOut<'_>]) -> Result<(), SourceError> {
+            Err(SourceError::Limit(format!("sample {} does not decode", sample.index)))
+        }
+    }
+
+    #[test]
+    fn a_taken_failed_record_keeps_its_message_while_the_queue_fills_again() {
+        // The client takes a failed record, which frees a place in the queue;
+        // the daemon fills the whole queue with more failures before the
+        // client's Fetch arrives. The taken record's message is still there
+        // (it was dropped: "no record with details to fetch").
+        let samples = 4 * (u64::from(RECORDS) + 8);
+        let stream = start(Arc::new(AllBad { fields: vec![u64_field()] }), "allbad", samples, 4, 2, 1, (0, 0));
+        let mut client = Client::new(&stream);
+        for _ in 0..3 {
+            let rec = client.take();
+            assert_eq!(rec.kind, RecordKind::Failed);
+            let seq = client.q.next_seq() - 1;
+            let deadline = Instant::now() + Duration::from_secs(60);
+            // The client's side of the protocol, without taking records.
+            while stream.lock().publisher.has_room(stream.control().control()) {
+                assert!(Instant::now() < deadline, "the daemon did not fill the queue");
+                if client.q.take_wake(stream.control().control()) {
+                    stream.wake();
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let Fetched::Failed { step, message, .. } = stream.fetch(seq) else {
+                panic!("the message of taken record {seq} was dropped")
+            };
+            assert_eq!(step, rec.step);
+            assert!(message.contains(&format!("sample {} does not decode", 4 * rec.step)), "{message}");
+        }
     }
 
     #[test]
