@@ -156,3 +156,47 @@ def test_bad_modes_are_refused_naming_the_choices(
     with pytest.raises(stoker.StokerError) as e:
         serve(stoker, d, env, field)
     assert_names(str(e.value), *needles)
+
+
+def mixed_jpegs() -> list[bytes]:
+    """JPEGs of each kind libjpeg decodes differently, all H × W: gray, RGB at
+    4:4:4, 4:2:2 and 4:2:0, progressive, and CMYK (Pillow writes Adobe's
+    inverted CMYK)."""
+    rgb = Image.fromarray(noise(H, W, 3, seed=11))
+
+    def jpeg(im: Image.Image, **kw: Any) -> bytes:
+        out = io.BytesIO()
+        im.save(out, "JPEG", quality=90, **kw)
+        return out.getvalue()
+
+    out = [
+        jpeg(rgb.convert("L")),
+        jpeg(rgb, subsampling=0),
+        jpeg(rgb, subsampling=1),
+        jpeg(rgb, subsampling=2),
+        jpeg(rgb, progressive=True),
+        jpeg(rgb.convert("CMYK")),
+    ]
+    modes = [Image.open(io.BytesIO(j)).mode for j in out]
+    assert {"L", "RGB", "CMYK"} <= set(modes), modes
+    return out
+
+
+@pytest.mark.parametrize("mode", ["L", "RGB", "RGBA"])
+def test_mixed_jpeg_folder_equals_pillow_convert(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path, mode: str
+) -> None:
+    jpegs = mixed_jpegs()
+    env = write_env(tmp_path / "mixed", {key(i): j for i, j in enumerate(jpegs)})
+    d = start_daemon()
+    got = serve(stoker, d, env, {"codec": "jpeg", "mode": mode})
+    want = np.stack([np.asarray(Image.open(io.BytesIO(j)).convert(mode)) for j in jpegs])
+    if mode == "L":
+        want = want[..., None]
+    assert got.dtype == np.uint8 and got.shape == want.shape, (got.dtype, got.shape, want.shape)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert np.array_equal(g, w), f"image {i} ({Image.open(io.BytesIO(jpegs[i])).mode}) differs from Pillow"
+    # A CMYK JPEG alone, unchanged, is RGB as Pillow converts it.
+    env = write_env(tmp_path / "cmyk", {key(0): jpegs[-1]})
+    got = serve(stoker, d, env, {"codec": "jpeg", "mode": "unchanged"})
+    assert np.array_equal(got[0], np.asarray(Image.open(io.BytesIO(jpegs[-1])).convert("RGB")))
