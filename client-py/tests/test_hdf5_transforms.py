@@ -262,6 +262,32 @@ transforms = {{ x = [{{ center_crop = {{ height = 4, width = 6 }} }}, {{ to_f32 
         np.testing.assert_array_equal(r["x"], (x[i][2:6, 1:7].astype(np.float32) * 0.5).transpose(2, 0, 1))
 
 
+def test_normalize_takes_one_number_for_mean_and_std(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    """`Normalize(0.5, 0.25)` as torchvision users write it: one number for
+    the whole field, in Python and in the config (a list was required)."""
+    x = np.random.default_rng(2).standard_normal((5, 4, 3)).astype(np.float32)
+    _write(tmp_path / "n.h5", x=x, idx=np.arange(5))
+    extra = f"""
+[datasets.n]
+format = "hdf5"
+files = "{tmp_path / 'n.h5'}"
+fields = {{ x = "x", idx = "idx" }}
+transforms = {{ x = [{{ normalize = {{ mean = 0.5, std = 0.25 }} }}] }}
+"""
+    d = start_daemon(extra=extra)
+    spec = stoker.hdf5(
+        str(tmp_path / "n.h5"), fields={"x": "x", "idx": "idx"}, transforms={"x": [{"normalize": {"mean": 0.5, "std": 0.25}}]}
+    )
+    for source in (spec, "n"):
+        loader = stoker.Loader(source, batch_size=2, socket=d.socket)
+        for i, r in _by_index(loader).items():
+            np.testing.assert_allclose(r["x"], (x[i] - 0.5) / 0.25, rtol=1e-6)
+    with pytest.raises(ValueError, match="a number or a list of numbers"):
+        stoker.hdf5(str(tmp_path / "n.h5"), fields={"x": "x"}, transforms={"x": [{"normalize": {"mean": "0", "std": 1}}]})
+
+
 def test_step_names_come_from_the_daemon_definition(stoker: Any) -> None:
     assert {"hflip", "vflip", "rot90", "cast", "normalize", "permute", "downsample", "chw"} <= set(stoker.TRANSFORM_STEPS)
 

@@ -72,6 +72,21 @@ mod tests {
     }
 
     #[test]
+    fn normalize_takes_one_number_or_a_list_and_the_wire_keeps_the_list() {
+        let parse = |v: Value| step_from_json(&v);
+        let norm = |mean: Vec<f32>, std: Vec<f32>| TransformDef::Normalize { mean, std, stats: None, key: None };
+        assert_eq!(parse(json!({"normalize": {"mean": 0.5, "std": 2}})).unwrap(), norm(vec![0.5], vec![2.0]));
+        let list = parse(json!({"normalize": {"mean": [1, 2.5, 3], "std": [0.5, 1, 2]}})).unwrap();
+        assert_eq!(list, norm(vec![1.0, 2.5, 3.0], vec![0.5, 1.0, 2.0]));
+        let err = parse(json!({"normalize": {"mean": "zero", "std": 1}})).unwrap_err();
+        assert!(err.contains("a number or a list of numbers"), "{err}");
+        // bincode is not human-readable: the list goes as a list, both ways.
+        let frame = crate::encode_frame(&list).unwrap();
+        let back: TransformDef = crate::decode_body(&frame[crate::FRAME_HEADER_BYTES..]).unwrap();
+        assert_eq!(back, list);
+    }
+
+    #[test]
     fn unknown_steps_are_named() {
         let err = step_from_json(&json!("twirl")).unwrap_err();
         assert!(err.contains("twirl") && err.contains("rot90"), "{err}");
