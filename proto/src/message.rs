@@ -738,6 +738,45 @@ pub struct StreamStatus {
     pub depth: u64,
 }
 
+/// `mean`/`std` in config and Python (`0.5` or `[0.5, 0.4]`): one number is
+/// the list of it, as torchvision users write `Normalize(0.5, 0.5)`. The wire
+/// (bincode, not human-readable) keeps the list's own encoding.
+fn number_or_list<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Vec<f32>, D::Error> {
+    struct NumberOrList;
+    impl<'de> serde::de::Visitor<'de> for NumberOrList {
+        type Value = Vec<f32>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a number or a list of numbers")
+        }
+
+        fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Vec<f32>, E> {
+            Ok(vec![v as f32])
+        }
+
+        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Vec<f32>, E> {
+            Ok(vec![v as f32])
+        }
+
+        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Vec<f32>, E> {
+            Ok(vec![v as f32])
+        }
+
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<f32>, A::Error> {
+            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
+            while let Some(v) = seq.next_element::<f32>()? {
+                out.push(v);
+            }
+            Ok(out)
+        }
+    }
+    if deserializer.is_human_readable() {
+        deserializer.deserialize_any(NumberOrList)
+    } else {
+        Vec::<f32>::deserialize(deserializer)
+    }
+}
+
 #[cfg(test)]
 mod fuzz {
     //! Whatever bytes a client sends, decoding ends in a value or an error:
@@ -804,44 +843,5 @@ mod fuzz {
                 prop_assert!(len <= limit);
             }
         }
-    }
-}
-
-/// `mean`/`std` in config and Python (`0.5` or `[0.5, 0.4]`): one number is
-/// the list of it, as torchvision users write `Normalize(0.5, 0.5)`. The wire
-/// (bincode, not human-readable) keeps the list's own encoding.
-fn number_or_list<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Vec<f32>, D::Error> {
-    struct NumberOrList;
-    impl<'de> serde::de::Visitor<'de> for NumberOrList {
-        type Value = Vec<f32>;
-
-        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str("a number or a list of numbers")
-        }
-
-        fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Vec<f32>, E> {
-            Ok(vec![v as f32])
-        }
-
-        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Vec<f32>, E> {
-            Ok(vec![v as f32])
-        }
-
-        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Vec<f32>, E> {
-            Ok(vec![v as f32])
-        }
-
-        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<f32>, A::Error> {
-            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
-            while let Some(v) = seq.next_element::<f32>()? {
-                out.push(v);
-            }
-            Ok(out)
-        }
-    }
-    if deserializer.is_human_readable() {
-        deserializer.deserialize_any(NumberOrList)
-    } else {
-        Vec::<f32>::deserialize(deserializer)
     }
 }
