@@ -351,8 +351,13 @@ def test_hdf5_files_cannot_lead_the_daemon_outside_the_allowed_roots(
         with pytest.raises(stoker.DatasetError):
             read_all(stoker, stoker.hdf5(str(public / "*.h5"), fields=_fields(name)), d.socket)
     assert not [t for t in fd_targets(d.proc.pid) if str(outside) in t]
-    x = read_all(stoker, stoker.hdf5(str(public / "p.h5"), fields={"x": "x"}), d.socket)
-    assert (x == np.arange(8).reshape(4, 2)).all()
+    # Links within the file are followed as before.
+    with h5py.File(public / "p.h5", "a") as f:
+        f["soft"] = h5py.SoftLink("/x")
+        f["hard"] = f["x"]
+    for path in ("x", "soft", "hard"):
+        x = read_all(stoker, stoker.hdf5(str(public / "p.h5"), fields={"x": path}), d.socket)
+        assert (x == np.arange(8).reshape(4, 2)).all(), path
     assert d.alive()
     # stoker inspect follows no external link and says why each is not servable.
     for name, path in escapes.items():
