@@ -495,9 +495,16 @@ impl NotOwn {
     }
 }
 
-/// libhdf5's external-link traversal callback: never follows the link,
-/// records where it led (`op_data` is the `Option<String>` that
-/// [`open_own_dataset`] passes).
+thread_local! {
+    /// Where the last refused external link led, on this thread (set by
+    /// [`refuse_external_link`] inside `H5Dopen2`, taken right after it).
+    static REFUSED_LINK: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// libhdf5's external-link traversal callback: never follows the link and
+/// records where it led in [`REFUSED_LINK`]. It takes no `op_data`: the
+/// dataset keeps a copy of the access property list it was opened with, so a
+/// pointer there would outlive the open.
 extern "C" fn refuse_external_link(
     _parent_file: *const c_char,
     _parent_group: *const c_char,
@@ -505,7 +512,7 @@ extern "C" fn refuse_external_link(
     child_object: *const c_char,
     _acc_flags: *mut c_uint,
     _fapl: hdf5_sys::h5i::hid_t,
-    op_data: *mut std::ffi::c_void,
+    _op_data: *mut std::ffi::c_void,
 ) -> hdf5_sys::h5::herr_t {
     let text = |p: *const c_char| {
         if p.is_null() {
@@ -515,12 +522,13 @@ extern "C" fn refuse_external_link(
             unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned()
         }
     };
-    if !op_data.is_null() {
-        // SAFETY: `op_data` is the `&mut Option<String>` registered by
-        // `open_own_dataset`, alive across the H5Dopen2 that calls this.
-        let seen = unsafe { &mut *op_data.cast::<Option<String>>() };
-        seen.get_or_insert_with(|| format!("{}:{}", text(child_file), text(child_object)));
-    }
+    let to = format!("{}:{}", text(child_file), text(child_object));
+    // No panic may cross this C frame: neither a destroyed thread-local nor a borrow.
+    let _ = REFUSED_LINK.try_with(|seen| {
+        if let Ok(mut seen) = seen.try_borrow_mut() {
+            seen.get_or_insert(to);
+        }
+    });
     -1
 }
 
@@ -535,22 +543,20 @@ pub(crate) fn open_own_dataset(group: &hdf5::Group, path: &str) -> Result<hdf5::
     use hdf5_sys::h5p::H5Pset_elink_cb;
     let name = std::ffi::CString::new(path).map_err(|_| NotOwn::Missing)?;
     let dapl = hdf5::plist::DatasetAccess::try_new().map_err(|_| NotOwn::Missing)?;
-    let mut followed: Option<String> = None;
+    let _ = REFUSED_LINK.try_with(|seen| seen.borrow_mut().take());
     let id = hdf5::sync::sync(|| {
         // SAFETY: the group and property list ids are valid while their owners
-        // live; `followed` outlives the H5Dopen2 call that may pass it to the
-        // callback, and the property list (which keeps the pointer) is only
-        // used for this call and dropped below; under hdf5-metno's global lock.
+        // live; the callback takes no data pointer; under hdf5-metno's global
+        // lock (the callback runs on this thread, inside H5Dopen2).
         unsafe {
-            let op_data = std::ptr::from_mut(&mut followed).cast::<std::ffi::c_void>();
-            if H5Pset_elink_cb(dapl.id(), Some(refuse_external_link), op_data) < 0 {
+            if H5Pset_elink_cb(dapl.id(), Some(refuse_external_link), std::ptr::null_mut()) < 0 {
                 return -1;
             }
             H5Dopen2(group.id(), name.as_ptr(), dapl.id())
         }
     });
     drop(dapl);
-    if let Some(to) = followed {
+    if let Some(to) = REFUSED_LINK.try_with(|seen| seen.borrow_mut().take()).ok().flatten() {
         return Err(NotOwn::ExternalLink(to));
     }
     if id < 0 {
