@@ -6,6 +6,7 @@ limit allows."""
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import json
 import os
@@ -219,8 +220,11 @@ def run_as(
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def test_client_reads_only_what_it_may(stoker: Any, other_user: tuple[int, int, int]) -> None:
-    uid, gid, extra_gid = other_user
+@contextlib.contextmanager
+def _root_daemon_and_files(uid: int) -> Iterator[tuple[Path, Path, Daemon]]:
+    """A daemon running as root that serves `uid` too (socket open to all,
+    allowed root `base`), with `base/public/p.h5` (0..7) readable by all and
+    `base/secret/s.h5` (999s) readable by root only: `(public, secret, daemon)`."""
     base = Path(tempfile.mkdtemp(prefix="stk-fa-", dir="/tmp"))
     workdir = Path(tempfile.mkdtemp(prefix="stk-", dir="/tmp"))
     d = None
@@ -231,19 +235,30 @@ def test_client_reads_only_what_it_may(stoker: Any, other_user: tuple[int, int, 
         public.mkdir(mode=0o755)
         secret = base / "secret"
         secret.mkdir(mode=0o700)
-        shared = base / "shared"
-        shared.mkdir(mode=0o750)
-        os.chown(shared, 0, extra_gid)
         write_rows(public / "p.h5", np.arange(8, dtype="<i4").reshape(4, 2))
         write_rows(secret / "s.h5", np.full((4, 2), 999, dtype="<i4"))
-        write_rows(shared / "g.h5", np.full((4, 2), 7, dtype="<i4"))
         os.chmod(secret / "s.h5", 0o600)
-        os.chown(shared / "g.h5", 0, extra_gid)
-        os.chmod(shared / "g.h5", 0o640)
         config = make_config(str(workdir / "stoker.sock"), allowed_roots=[base])
         config = config.replace("[server]\n", f"[server]\nallowed_uids = [{uid}]\n", 1)
         d = Daemon(workdir, config + "\n[limits]\nidle_close_s = 0\n")
         os.chmod(d.socket, 0o777)
+        yield public, secret, d
+    finally:
+        if d is not None:
+            d.stop()
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_client_reads_only_what_it_may(stoker: Any, other_user: tuple[int, int, int]) -> None:
+    uid, gid, extra_gid = other_user
+    with _root_daemon_and_files(uid) as (public, secret, d):
+        shared = public.parent / "shared"
+        shared.mkdir(mode=0o750)
+        os.chown(shared, 0, extra_gid)
+        write_rows(shared / "g.h5", np.full((4, 2), 7, dtype="<i4"))
+        os.chown(shared / "g.h5", 0, extra_gid)
+        os.chmod(shared / "g.h5", 0o640)
         # Root opens the shared file first: a cached dataset is no way around the check.
         x = read_all(stoker, stoker.hdf5(str(shared / "g.h5"), fields={"x": "x"}), d.socket)
         assert (x == 7).all()
@@ -284,11 +299,6 @@ def test_client_reads_only_what_it_may(stoker: Any, other_user: tuple[int, int, 
         # Root itself still reads the secret file.
         x = read_all(stoker, stoker.hdf5(str(secret / "s.h5"), fields={"x": "x"}), d.socket)
         assert (x == 999).all()
-    finally:
-        if d is not None:
-            d.stop()
-        shutil.rmtree(base, ignore_errors=True)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _write_redirects(public: Path, secret: Path) -> dict[str, Path]:
@@ -379,24 +389,8 @@ def test_hdf5_files_cannot_read_another_users_files_through_the_daemon(
     with the daemon running as root: refused, and the values never reach the
     user."""
     uid, gid, extra_gid = other_user
-    base = Path(tempfile.mkdtemp(prefix="stk-fa-", dir="/tmp"))
-    workdir = Path(tempfile.mkdtemp(prefix="stk-", dir="/tmp"))
-    d = None
-    try:
-        os.chmod(base, 0o755)
-        os.chmod(workdir, 0o755)
-        public = base / "public"
-        public.mkdir(mode=0o755)
-        secret = base / "secret"
-        secret.mkdir(mode=0o700)
-        write_rows(public / "p.h5", np.arange(8, dtype="<i4").reshape(4, 2))
-        write_rows(secret / "s.h5", np.full((4, 2), 999, dtype="<i4"))
-        os.chmod(secret / "s.h5", 0o600)
+    with _root_daemon_and_files(uid) as (public, secret, d):
         redirects = _write_redirects(public, secret)
-        config = make_config(str(workdir / "stoker.sock"), allowed_roots=[base])
-        config = config.replace("[server]\n", f"[server]\nallowed_uids = [{uid}]\n", 1)
-        d = Daemon(workdir, config)
-        os.chmod(d.socket, 0o777)
         for name, path in redirects.items():
             got = run_as(uid, gid, [extra_gid], d.socket, str(path), fields=_fields(name))
             _assert_refused(got, path, name)
@@ -404,11 +398,6 @@ def test_hdf5_files_cannot_read_another_users_files_through_the_daemon(
         got = run_as(uid, gid, [extra_gid], d.socket, str(public / "p.h5"))
         assert got.get("ok") == np.arange(8).reshape(4, 2).tolist(), got
         assert d.alive()
-    finally:
-        if d is not None:
-            d.stop()
-        shutil.rmtree(base, ignore_errors=True)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------

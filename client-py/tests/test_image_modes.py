@@ -2,7 +2,8 @@
 gray, gray + alpha, palette (with and without transparency), RGB (with and
 without a tRNS colour), RGBA and 16-bit images comes out uniform with
 `{"codec": "png", "mode": ...}`, byte-exact to
-`np.asarray(Image.open(f).convert(mode))`; `dtype` rescales as documented in
+`np.asarray(Image.open(f).convert(mode))`, and so does a folder of JPEGs
+mixing gray, subsampled, progressive and CMYK ones; `dtype` rescales as documented in
 `daemon/src/codec/mode.rs` (uint16: × 257 for 8-bit sources, full precision
 for 16-bit ones; float32: / 255 or / 65535).
 """
@@ -60,22 +61,6 @@ def serve(stoker: Any, d: Any, env: Path, field: Any) -> np.ndarray:
     loader.set_epoch(0)
     (batch,) = [np.array(b["img"]) for b in loader]
     return batch
-
-
-@pytest.mark.parametrize("mode", ["L", "RGB", "RGBA"])
-def test_mixed_png_folder_equals_pillow_convert(
-    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path, mode: str
-) -> None:
-    pngs = mixed_pngs()
-    env = write_env(tmp_path / "mixed", {key(i): p for i, p in enumerate(pngs)})
-    d = start_daemon()
-    got = serve(stoker, d, env, {"codec": "png", "mode": mode})
-    want = np.stack([np.asarray(Image.open(io.BytesIO(p)).convert(mode)) for p in pngs])
-    if mode == "L":
-        want = want[..., None]
-    assert got.dtype == np.uint8 and got.shape == want.shape, (got.dtype, got.shape, want.shape)
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert np.array_equal(g, w), f"image {i} ({Image.open(io.BytesIO(pngs[i])).mode}) differs from Pillow"
 
 
 def test_mixed_folder_without_mode_is_refused_with_the_remedy(
@@ -183,20 +168,23 @@ def mixed_jpegs() -> list[bytes]:
 
 
 @pytest.mark.parametrize("mode", ["L", "RGB", "RGBA"])
-def test_mixed_jpeg_folder_equals_pillow_convert(
-    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path, mode: str
+@pytest.mark.parametrize("codec", ["png", "jpeg"])
+def test_mixed_folder_equals_pillow_convert(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path, codec: str, mode: str
 ) -> None:
-    jpegs = mixed_jpegs()
-    env = write_env(tmp_path / "mixed", {key(i): j for i, j in enumerate(jpegs)})
+    images = mixed_pngs() if codec == "png" else mixed_jpegs()
+    env = write_env(tmp_path / "mixed", {key(i): p for i, p in enumerate(images)})
     d = start_daemon()
-    got = serve(stoker, d, env, {"codec": "jpeg", "mode": mode})
-    want = np.stack([np.asarray(Image.open(io.BytesIO(j)).convert(mode)) for j in jpegs])
+    got = serve(stoker, d, env, {"codec": codec, "mode": mode})
+    want = np.stack([np.asarray(Image.open(io.BytesIO(p)).convert(mode)) for p in images])
     if mode == "L":
         want = want[..., None]
     assert got.dtype == np.uint8 and got.shape == want.shape, (got.dtype, got.shape, want.shape)
     for i, (g, w) in enumerate(zip(got, want)):
-        assert np.array_equal(g, w), f"image {i} ({Image.open(io.BytesIO(jpegs[i])).mode}) differs from Pillow"
+        assert np.array_equal(g, w), f"image {i} ({Image.open(io.BytesIO(images[i])).mode}) differs from Pillow"
+    if codec == "png":
+        return
     # A CMYK JPEG alone, unchanged, is RGB as Pillow converts it.
-    env = write_env(tmp_path / "cmyk", {key(0): jpegs[-1]})
+    env = write_env(tmp_path / "cmyk", {key(0): images[-1]})
     got = serve(stoker, d, env, {"codec": "jpeg", "mode": "unchanged"})
-    assert np.array_equal(got[0], np.asarray(Image.open(io.BytesIO(jpegs[-1])).convert("RGB")))
+    assert np.array_equal(got[0], np.asarray(Image.open(io.BytesIO(images[-1])).convert("RGB")))
