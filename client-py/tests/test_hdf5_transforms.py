@@ -248,44 +248,38 @@ def test_config_transforms_for_a_named_hdf5_dataset(
 ) -> None:
     rng = np.random.default_rng(1)
     x = rng.integers(0, 255, size=(6, 8, 8, 3), dtype=np.uint8)
-    _write(tmp_path / "c.h5", x=x, idx=np.arange(6))
+    y = rng.standard_normal((6, 4, 3)).astype(np.float32)
+    _write(tmp_path / "c.h5", x=x, y=y, idx=np.arange(6))
+    # `normalize` with one number for mean and std, as torchvision's Normalize(0.5, 0.25).
     extra = f"""
 [datasets.c]
 format = "hdf5"
 files = "{tmp_path / 'c.h5'}"
-fields = {{ x = "x", idx = "idx" }}
-transforms = {{ x = [{{ center_crop = {{ height = 4, width = 6 }} }}, {{ to_f32 = {{ scale = 0.5 }} }}, "chw"] }}
+fields = {{ x = "x", y = "y", idx = "idx" }}
+transforms.x = [{{ center_crop = {{ height = 4, width = 6 }} }}, {{ to_f32 = {{ scale = 0.5 }} }}, "chw"]
+transforms.y = [{{ normalize = {{ mean = 0.5, std = 0.25 }} }}]
 """
     d = start_daemon(extra=extra)
     loader = stoker.Loader("c", batch_size=3, socket=d.socket)
     for i, r in _by_index(loader).items():
         np.testing.assert_array_equal(r["x"], (x[i][2:6, 1:7].astype(np.float32) * 0.5).transpose(2, 0, 1))
+        np.testing.assert_allclose(r["y"], (y[i] - 0.5) / 0.25, rtol=1e-6)
 
 
 def test_normalize_takes_one_number_for_mean_and_std(
     stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
 ) -> None:
     """`Normalize(0.5, 0.25)` as torchvision users write it: one number for
-    the whole field, in Python and in the config (a list was required)."""
+    the whole field (a list was required; the config form is checked above)."""
     x = np.random.default_rng(2).standard_normal((5, 4, 3)).astype(np.float32)
     _write(tmp_path / "n.h5", x=x, idx=np.arange(5))
-    extra = f"""
-[datasets.n]
-format = "hdf5"
-files = "{tmp_path / 'n.h5'}"
-fields = {{ x = "x", idx = "idx" }}
-transforms = {{ x = [{{ normalize = {{ mean = 0.5, std = 0.25 }} }}] }}
-"""
-    d = start_daemon(extra=extra)
-    spec = stoker.hdf5(
-        str(tmp_path / "n.h5"), fields={"x": "x", "idx": "idx"}, transforms={"x": [{"normalize": {"mean": 0.5, "std": 0.25}}]}
-    )
-    for source in (spec, "n"):
-        loader = stoker.Loader(source, batch_size=2, socket=d.socket)
-        for i, r in _by_index(loader).items():
-            np.testing.assert_allclose(r["x"], (x[i] - 0.5) / 0.25, rtol=1e-6)
+    d = start_daemon()
+    glob, fields = str(tmp_path / "n.h5"), {"x": "x", "idx": "idx"}
+    spec = stoker.hdf5(glob, fields=fields, transforms={"x": [{"normalize": {"mean": 0.5, "std": 0.25}}]})
+    for i, r in _by_index(stoker.Loader(spec, batch_size=2, socket=d.socket)).items():
+        np.testing.assert_allclose(r["x"], (x[i] - 0.5) / 0.25, rtol=1e-6)
     with pytest.raises(ValueError, match="a number or a list of numbers"):
-        stoker.hdf5(str(tmp_path / "n.h5"), fields={"x": "x"}, transforms={"x": [{"normalize": {"mean": "0", "std": 1}}]})
+        stoker.hdf5(glob, fields=fields, transforms={"x": [{"normalize": {"mean": "0", "std": 1}}]})
 
 
 def test_step_names_come_from_the_daemon_definition(stoker: Any) -> None:
