@@ -12,11 +12,13 @@
 //!   [`ChunkCache`] for the chunk's other samples. Never-written chunks
 //!   produce the fill value;
 //! - **library**: `H5Dread` of a hyperslab under the lock, for everything the
-//!   fast paths do not handle (compact and virtual layouts, bool/enum types,
+//!   fast paths do not handle (compact layouts, bool/enum types,
 //!   filters the fast path lacks). Logged once per field with the reason.
 //!
 //! The fast paths copy file-order bytes and byte-swap the destination at the
-//! end when the file is big-endian.
+//! end when the file is big-endian. A dataset is opened by
+//! [`open_own_dataset`]: its values come from its own file only (no external
+//! links, virtual datasets or external raw storage).
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_uint};
