@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import struct
+import subprocess
 import zlib
 from pathlib import Path
 from typing import Any, Callable
@@ -20,7 +21,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import assert_names, Daemon, H5Data
+from conftest import assert_names, Daemon, H5Data, make_config, stoker_bin
 from lmdb_data import key, noise, npy_bytes, png_of, write_env
 
 
@@ -278,4 +279,40 @@ def test_hdf5_sample_beyond_the_sample_limit(
     with pytest.raises(stoker.LimitError) as exc:
         stoker.Loader(stoker.hdf5(str(path), fields={"v": "x"}), batch_size=1, socket=d.socket)
     assert_names(str(exc.value), paths(path), '"v"', str(8 * 2**32), "[limits] max_sample_bytes")
+    assert_still_serving(stoker, d, data)
+
+
+def test_hdf5_compressed_chunk_beyond_the_sample_limit(
+    stoker: Any, start_daemon: Callable[..., Daemon], data: H5Data, tmp_path: Path
+) -> None:
+    """Every read of a compressed field decodes its chunk whole: a 9 MB file
+    whose one gzip chunk holds 2 GiB of zeros made each worker allocate 2 GiB
+    for every batch (HDF5 allows 4 GiB chunks, so 4 GiB per worker). A chunk
+    that decodes to more than `[limits] max_sample_bytes` is refused at open,
+    naming file, field, chunk shape and what to do; uncompressed chunks are
+    read in place (only the rows asked for) and stay served."""
+    root = tmp_path / "chunks"
+    root.mkdir()
+    rows = np.arange(64 * 1024, dtype=np.uint8).reshape(64, 1024)
+    with h5py.File(root / "gz.h5", "w") as f:
+        f.create_dataset("x", data=rows, chunks=(64, 1024), compression="gzip")  # 64 KiB chunks
+        f.create_dataset("plain", data=rows, chunks=(64, 1024))
+        f.create_dataset("small", data=rows, chunks=(16, 1024), compression="gzip")  # 16 KiB chunks
+    d = start_daemon(extra="\n[limits]\nmax_sample_bytes = 32768\n")
+    with pytest.raises(stoker.LimitError) as exc:
+        stoker.Loader(stoker.hdf5(str(root / "gz.h5"), fields={"x": "x"}), batch_size=4, socket=d.socket)
+    assert_names(str(exc.value), paths(root / "gz.h5"), '"x"', "[64, 1024]", "65536", "max_sample_bytes", "rechunk")
+    for field in ("plain", "small"):
+        spec = stoker.hdf5(str(root / "gz.h5"), fields={"x": field})
+        loader = stoker.Loader(spec, batch_size=8, shuffle=False, socket=d.socket)
+        np.testing.assert_array_equal(np.concatenate([np.array(b["x"]) for b in loader]), rows)
+    # `stoker validate` checks a named dataset against the same limit.
+    config = root / "stoker.toml"
+    config.write_text(
+        make_config(str(root / "unused.sock"))
+        + f'\n[limits]\nmax_sample_bytes = 32768\n\n[datasets.gz]\nformat = "hdf5"\nfiles = "{root / "gz.h5"}"\n'
+        + 'fields = { x = "x" }\n'
+    )
+    res = subprocess.run([str(stoker_bin()), "validate", str(config)], capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and "datasets.gz" in res.stderr and "rechunk" in res.stderr, res.stderr
     assert_still_serving(stoker, d, data)

@@ -316,6 +316,7 @@ impl Hdf5DatasetConfig {
                 constant: self.constant.clone(),
                 time_only: self.time_only.clone(),
             },
+            max_chunk_bytes: u64::MAX,
         }
     }
 }
@@ -779,7 +780,8 @@ impl Config {
     fn check_hdf5(&self, ds: &Hdf5DatasetConfig) -> Option<(Vec<String>, String)> {
         use crate::source::SourceError;
         use crate::source::hdf5::{self, Hdf5Source, OpenFiles};
-        let spec = ds.spec(self.hdf5.fast_path);
+        let mut spec = ds.spec(self.hdf5.fast_path);
+        spec.max_chunk_bytes = self.limits.max_sample_bytes;
         let mut chains = match crate::dataset::field_chains(&ds.field_transforms()) {
             Ok(chains) => chains,
             Err(message) => return Some((vec!["transforms".to_string()], message)),

@@ -129,8 +129,9 @@ impl Datasets {
     pub fn open(&self, dataset: &DatasetRef, peer: &Peer) -> Result<Opened, Refusal> {
         let (label, mut resolved, rescan) = self.resolve(dataset)?;
         let settings = self.settings();
-        if let Resolved::Lmdb(spec) = &mut resolved {
-            spec.max_value_bytes = settings.limits.max_sample_bytes;
+        match &mut resolved {
+            Resolved::Lmdb(spec) => spec.max_value_bytes = settings.limits.max_sample_bytes,
+            Resolved::Hdf5(spec, _) => spec.max_chunk_bytes = settings.limits.max_sample_bytes,
         }
         let key = match &resolved {
             Resolved::Hdf5(spec, chains) => format!("hdf5 {spec:?} {chains:?}"),
@@ -341,6 +342,7 @@ impl Datasets {
                     per_item: per_item.clone(),
                     fast_path: self.settings().hdf5_fast_path,
                     sampling: sampling.as_ref().clone(),
+                    max_chunk_bytes: u64::MAX,
                 };
                 let chains = field_chains(transforms).map_err(|e| (ErrorKind::Dataset, e))?;
                 Ok((files.clone(), Resolved::Hdf5(spec, chains), *rescan))

@@ -577,6 +577,18 @@ pub(crate) fn open_own_dataset(group: &hdf5::Group, path: &str) -> Result<hdf5::
     Ok(dataset)
 }
 
+/// The bytes one chunk of `dataset` takes decoded, for a chunked dataset
+/// with filters (whose reads decode whole chunks, on the fast path and in
+/// libhdf5 alike); `None` for other layouts. A chunk shape whose size does
+/// not fit in 64 bits counts as `u64::MAX`.
+pub(crate) fn decoded_chunk_bytes(dataset: &hdf5::Dataset, elem: usize) -> Option<u64> {
+    let chunk = dataset.chunk()?;
+    if pipeline(dataset).is_empty() {
+        return None;
+    }
+    Some(chunk.iter().try_fold(elem as u64, |acc, &d| acc.checked_mul(d as u64)).unwrap_or(u64::MAX))
+}
+
 /// Reads the chunked layout's metadata: chunk shape, filters, fill value.
 fn chunked(dataset: &hdf5::Dataset, file_type: &hdf5::Datatype, dims: &[u64], elem: usize) -> Result<Layout, String> {
     use hdf5_sys::h5d::H5Dget_create_plist;
@@ -631,7 +643,11 @@ fn chunked(dataset: &hdf5::Dataset, file_type: &hdf5::Datatype, dims: &[u64], el
         return Ok(Layout::Library { reason });
     }
     let grid = dims.iter().zip(&chunk).map(|(&d, &c)| d.div_ceil(c)).collect();
-    let chunk_bytes = chunk.iter().product::<u64>() as usize * elem;
+    let Some(chunk_bytes) =
+        chunk.iter().try_fold(elem, |acc, &d| usize::try_from(d).ok().and_then(|d| acc.checked_mul(d)))
+    else {
+        return Ok(Layout::Library { reason: "chunk size does not fit in memory".into() });
+    };
     Ok(Layout::Chunked(Chunked { chunk, grid, chunk_bytes, filters, fill, locations: RwLock::new(HashMap::new()) }))
 }
 

@@ -61,6 +61,10 @@ pub struct Hdf5Spec {
     pub fast_path: bool,
     /// Split windows, step spacing, constant fields (The Well's sampling).
     pub sampling: Hdf5Sampling,
+    /// The most bytes one decoded chunk of a filtered field may take (`[limits]
+    /// max_sample_bytes`): any read of such a field decodes its chunk whole,
+    /// so a small file could otherwise make every worker allocate 4 GiB.
+    pub max_chunk_bytes: u64,
 }
 
 /// What a field delivers for one sample.
@@ -839,6 +843,19 @@ fn open_file(
                 path.display()
             )));
         }
+        if let Some(bytes) = field::decoded_chunk_bytes(&dataset, dtype.size())
+            && bytes > spec.max_chunk_bytes
+        {
+            let chunk = dataset.chunk().unwrap_or_default();
+            return Err(SourceError::Limit(format!(
+                "{}: field {name:?} ({h5path:?}) is stored in compressed chunks of {chunk:?} {dtype}, {bytes} bytes each \
+                 decoded, more than [limits] max_sample_bytes = {} bytes; every read decodes a whole chunk: rechunk \
+                 the dataset to smaller chunks (e.g. h5repack -l {h5path}:CHUNK=...), or ask the daemon's admin to \
+                 raise the limit",
+                path.display(),
+                spec.max_chunk_bytes
+            )));
+        }
         let mem_type = mem_type(&file_type, &descriptor).map_err(|e| field_err(e.to_string()))?;
         let reader =
             FieldReader::new(dataset, dtype, &file_type, mem_type, cache_id, spec.fast_path).map_err(field_err)?;
@@ -1065,6 +1082,7 @@ mod tests {
             per_item: Vec::new(),
             fast_path: true,
             sampling,
+            max_chunk_bytes: u64::MAX,
         }
     }
 
