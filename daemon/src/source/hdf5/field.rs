@@ -72,9 +72,15 @@ pub(crate) struct Chunked {
     pub(crate) filters: Vec<FilterSpec>,
     /// The fill value, one element in file byte order.
     fill: Vec<u8>,
-    /// Chunk locations looked up so far, by linear chunk index.
+    /// Chunk locations looked up so far, by linear chunk index (at most
+    /// [`MAX_LOCATIONS`]: the grid is the file's to declare).
     locations: RwLock<HashMap<u64, Location>>,
 }
+
+/// Chunk locations remembered per field of a file (about 3 MiB): beyond, the
+/// memo starts afresh. A small file may declare billions of chunks, and an
+/// epoch over them would otherwise keep one entry for each.
+const MAX_LOCATIONS: usize = 1 << 16;
 
 #[derive(Debug, Clone, Copy)]
 struct Location {
@@ -325,7 +331,11 @@ impl FieldReader {
             return Err(format!("cannot locate the chunk at {chunk_start:?} (H5Dget_chunk_info_by_coord failed)"));
         }
         let loc = Location { addr: (addr != hdf5_sys::h5::HADDR_UNDEF).then_some(addr), size, filter_mask: mask };
-        c.locations.write().unwrap_or_else(|e| e.into_inner()).insert(linear, loc);
+        let mut locations = c.locations.write().unwrap_or_else(|e| e.into_inner());
+        if locations.len() >= MAX_LOCATIONS {
+            locations.clear();
+        }
+        locations.insert(linear, loc);
         Ok(loc)
     }
 
@@ -786,4 +796,33 @@ fn undecodable(missing: &[FilterSpec]) -> String {
 /// chunk index is corrupt, and is refused before it is allocated.
 fn max_stored(chunk_bytes: usize) -> u64 {
     (chunk_bytes as u64).saturating_mul(2).saturating_add(1 << 20)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunk_locations_remembered_stay_bounded_however_many_chunks_a_file_declares() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("grid.h5");
+        let rows = MAX_LOCATIONS + 300;
+        {
+            let file = hdf5::File::create(&path).unwrap();
+            // One row per chunk, none written: a small file with a large grid.
+            file.new_dataset::<u8>().shape([rows, 4]).chunk([1, 4]).create("x").unwrap();
+        }
+        let file = hdf5::File::open(&path).unwrap();
+        let dataset = open_own_dataset(&file, "x").unwrap();
+        let file_type = dataset.dtype().unwrap();
+        let mem_type = native_type(&file_type).unwrap();
+        let reader = FieldReader::new(dataset, DType::U8, &file_type, mem_type, 0, true).unwrap();
+        let Layout::Chunked(c) = &reader.layout else { panic!("chunked: {}", reader.layout.describe()) };
+        for row in 0..rows as u64 {
+            let loc = reader.location(c, row, &[row, 0]).unwrap();
+            assert!(loc.addr.is_none(), "row {row}: never written");
+            let held = c.locations.read().unwrap().len();
+            assert!(held <= MAX_LOCATIONS, "{held} locations held after {row} rows");
+        }
+    }
 }
