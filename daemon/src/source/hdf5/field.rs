@@ -807,12 +807,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("grid.h5");
         let rows = MAX_LOCATIONS + 300;
-        {
-            let file = hdf5::File::create(&path).unwrap();
-            // One row per chunk, none written: a small file with a large grid.
-            file.new_dataset::<u8>().shape([rows, 4]).chunk([1, 4]).create("x").unwrap();
-        }
-        let file = hdf5::File::open(&path).unwrap();
+        // One row per chunk, none written: a small file with a large grid.
+        // (Read through the handle that wrote it: a second open of the file
+        // may meet libhdf5's file lock while the tests run in parallel.)
+        let file = hdf5::File::create(&path).unwrap();
+        file.new_dataset::<u8>().shape([rows, 4]).chunk([1, 4]).create("x").unwrap();
         let dataset = open_own_dataset(&file, "x").unwrap();
         let file_type = dataset.dtype().unwrap();
         let mem_type = native_type(&file_type).unwrap();
