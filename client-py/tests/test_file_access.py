@@ -309,11 +309,14 @@ def _write_redirects(public: Path, secret: Path) -> dict[str, Path]:
     raw = secret / "raw.bin"
     raw.write_bytes(np.full((4, 2), 999, dtype="<i4").tobytes())
     os.chmod(raw, 0o600)
-    out = {name: public / f"{name}.h5" for name in ("elink", "elink_group", "vds", "efl")}
+    out = {name: public / f"{name}.h5" for name in ("elink", "elink_group", "soft_elink", "vds", "efl")}
     with h5py.File(out["elink"], "w") as f:
         f["x"] = h5py.ExternalLink(str(secret / "s.h5"), "/x")
     with h5py.File(out["elink_group"], "w") as f:
         f["g"] = h5py.ExternalLink(str(secret / "s.h5"), "/")
+    with h5py.File(out["soft_elink"], "w") as f:  # a soft link whose path crosses an external one
+        f["g"] = h5py.ExternalLink(str(secret / "s.h5"), "/")
+        f["x"] = h5py.SoftLink("/g/x")
     layout = h5py.VirtualLayout(shape=(4, 2), dtype="<i4")
     layout[:] = h5py.VirtualSource(str(secret / "s.h5"), "x", shape=(4, 2))
     with h5py.File(out["vds"], "w") as f:

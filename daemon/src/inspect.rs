@@ -84,11 +84,9 @@ fn visit(
             Ok(LocationType::Group) => visit(&group.group(&name)?, &path, cache, seen, out)?,
             Ok(LocationType::Dataset) => out.push(match open_own_dataset(group, &name) {
                 Ok(dataset) => report(dataset, path, cache),
-                Err(why @ NotOwn::Virtual(_)) => DatasetReport { layout: "virtual".into(), ..not_own(path, &why) },
-                Err(why @ NotOwn::ExternalStorage(_)) => {
-                    DatasetReport { layout: "external storage".into(), ..not_own(path, &why) }
-                }
-                Err(_) => report(group.dataset(&name)?, path, cache),
+                Err(NotOwn::Missing) => report(group.dataset(&name)?, path, cache),
+                // A soft link through an external one lands here too.
+                Err(why) => not_own(path, &why),
             }),
             _ => {}
         }
@@ -104,7 +102,12 @@ fn not_own(path: String, why: &NotOwn) -> DatasetReport {
         dtype: "-".into(),
         servable: false,
         byte_order: "-".into(),
-        layout: "external link".into(),
+        layout: match why {
+            NotOwn::Virtual(_) => "virtual",
+            NotOwn::ExternalStorage(_) => "external storage",
+            NotOwn::ExternalLink(_) | NotOwn::Missing => "external link",
+        }
+        .into(),
         chunks: None,
         filters: Vec::new(),
         read_path: format!("not servable: {}", why.explain().unwrap_or_default()),
