@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use stoker_client::proto::{DatasetRef, ErrorKind, OpenStream};
+use stoker_client::proto::{DatasetRef, ErrorKind, Hdf5Dataset, OpenStream, WindowDef};
 use stoker_client::{Batch, Client, ClientError, Stream};
 
 /// Python with h5py: $STOKER_PYTHON, else the repo's .venv, else python3.
@@ -177,15 +177,10 @@ fn bad_dataset_names_the_file_and_field_and_the_daemon_keeps_serving() {
     let daemon = Daemon::start(dir.path(), 2);
     let client = Client::connect(&daemon.socket).unwrap();
     let bad = OpenStream {
-        dataset: DatasetRef::Hdf5 {
-            files: format!("{}/part*.h5", dir.path().display()),
-            fields: vec![("y".into(), "missing/path".into())],
-            window: None,
-            per_item: vec![],
-            sampling: Default::default(),
-            transforms: vec![],
-            rescan: Default::default(),
-        },
+        dataset: DatasetRef::Hdf5(Box::new(Hdf5Dataset::new(
+            format!("{}/part*.h5", dir.path().display()),
+            [("y".to_string(), "missing/path".to_string())],
+        ))),
         ..open(4, 0, 1, false)
     };
     match client.open_stream(bad) {
@@ -239,22 +234,20 @@ fn fuzzed_requests_never_take_the_daemon_down() {
             prop_assert!(greeted, "no Hello reply");
             let dataset = match kind {
                 0 => DatasetRef::Named("parts".into()),
-                1 => DatasetRef::Hdf5 {
-                    files: glob.clone(),
-                    fields: vec![("x".into(), "x".into())],
-                    window: Some((e, f)),
-                    per_item: vec![],
-                    // Hostile spacings and splits too: open refuses them, never overflows.
-                    sampling: Box::new(stoker_client::proto::Hdf5Sampling {
-                        n_steps_input: Some(f),
-                        min_dt_stride: f,
-                        max_dt_stride: e,
-                        output: vec!["x".into()],
+                // Hostile sizes, spacings and splits too: open refuses them, never overflows.
+                1 => DatasetRef::Hdf5(Box::new(Hdf5Dataset {
+                    window: Some(WindowDef {
+                        size: (f % 2 == 0).then_some(e),
+                        stride: f,
+                        n_steps_input: (f % 2 == 1).then_some(f),
+                        n_steps_output: (f % 2 == 1).then_some(e),
+                        min_dt_stride: Some(f),
+                        max_dt_stride: Some(e),
                         ..Default::default()
                     }),
-                    transforms: vec![],
-                    rescan: Default::default(),
-                },
+                    output: vec!["x".into()],
+                    ..Hdf5Dataset::new(glob.clone(), [("x".to_string(), "x".to_string())])
+                })),
                 _ => DatasetRef::Named("parts".into()),
             };
             let opened = match kind {

@@ -14,7 +14,7 @@ use numpy::npyffi::{self, NPY_TYPES, PY_ARRAY_API, npy_intp};
 use pyo3::import_exception;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
-use stoker_client::proto::{BlockShuffle, DType, DatasetRef, ErrorKind, OpenStream, Rescan};
+use stoker_client::proto::{BlockShuffle, DType, DatasetRef, ErrorKind, OpenStream};
 use stoker_client::{Batch, Client, ClientError, Stream};
 
 // The classes live in Python (`stoker/_errors.py`): each subclasses both
@@ -106,48 +106,16 @@ fn typenum(dtype: DType) -> c_int {
     t as c_int
 }
 
-/// Extracts `("name", NAME)`, `("hdf5", GLOB, [(field, path), ...], (size, stride) | None, [per_item...][, SAMPLING[, TRANSFORMS[, RESCAN]]])`
-/// (RESCAN: `"epoch"`, `"never"` or None)
-/// (SAMPLING: JSON of `stoker_proto::Hdf5Sampling` or None; TRANSFORMS: JSON of a list of `stoker_proto::FieldTransforms`)
-/// or `("lmdb", JSON)` (JSON of `stoker_proto::LmdbDataset`, built by `stoker.lmdb`).
+/// Extracts `("name", NAME)`, `("hdf5", JSON)` (JSON of `stoker_proto::Hdf5Dataset`, built by
+/// `stoker.hdf5`) or `("lmdb", JSON)` (JSON of `stoker_proto::LmdbDataset`, built by `stoker.lmdb`).
 fn dataset_ref(spec: &Bound<'_, PyTuple>) -> PyResult<DatasetRef> {
     let kind: String = spec.get_item(0)?.extract()?;
     match kind.as_str() {
         "name" => Ok(DatasetRef::Named(spec.get_item(1)?.extract()?)),
-        "hdf5" => Ok(DatasetRef::Hdf5 {
-            files: spec.get_item(1)?.extract()?,
-            fields: spec.get_item(2)?.extract()?,
-            window: spec.get_item(3)?.extract()?,
-            per_item: spec.get_item(4)?.extract()?,
-            sampling: match spec.len() > 5 && !spec.get_item(5)?.is_none() {
-                true => {
-                    let json: String = spec.get_item(5)?.extract()?;
-                    Box::new(serde_json::from_str(&json).map_err(|e| {
-                        pyo3::exceptions::PyValueError::new_err(format!("invalid HDF5 sampling spec: {e}"))
-                    })?)
-                }
-                false => Default::default(),
-            },
-            transforms: match spec.len() > 6 && !spec.get_item(6)?.is_none() {
-                false => Vec::new(),
-                true => {
-                    let json: String = spec.get_item(6)?.extract()?;
-                    serde_json::from_str(&json)
-                        .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("invalid HDF5 transforms: {e}")))?
-                }
-            },
-            rescan: match spec.len() > 7 && !spec.get_item(7)?.is_none() {
-                false => Rescan::Never,
-                true => {
-                    let name: String = spec.get_item(7)?.extract()?;
-                    serde_json::from_value(serde_json::Value::String(name.clone())).map_err(|_| {
-                        pyo3::exceptions::PyValueError::new_err(format!(
-                            "rescan must be \"epoch\" or \"never\" (or None), not {name:?}"
-                        ))
-                    })?
-                }
-            },
-        }),
+        "hdf5" => {
+            let json: String = spec.get_item(1)?.extract()?;
+            Ok(DatasetRef::Hdf5(Box::new(hdf5_dataset(&json)?)))
+        }
         "lmdb" => {
             let json: String = spec.get_item(1)?.extract()?;
             let def = serde_json::from_str(&json)
@@ -381,6 +349,27 @@ fn parse_steps(steps: &str) -> PyResult<String> {
     serde_json::to_string(&parsed).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
 }
 
+/// Parses and checks an HDF5 dataset description (JSON of
+/// `stoker_proto::Hdf5Dataset`, the one shape the config and the wire take),
+/// raising `ValueError` with its first problem.
+fn hdf5_dataset(json: &str) -> PyResult<stoker_client::proto::Hdf5Dataset> {
+    let ds: stoker_client::proto::Hdf5Dataset = serde_json::from_str(json)
+        .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("invalid HDF5 dataset: {e}")))?;
+    match ds.problems().into_iter().next() {
+        Some(p) => Err(pyo3::exceptions::PyValueError::new_err(p.message)),
+        None => Ok(ds),
+    }
+}
+
+/// Checks an HDF5 dataset description as `stoker.hdf5` builds it: returns
+/// the JSON in canonical form, or raises `ValueError` with the problem (the
+/// same check the daemon's config and its ad-hoc opens run).
+#[pyfunction]
+fn check_hdf5(json: &str) -> PyResult<String> {
+    let ds = hdf5_dataset(json)?;
+    serde_json::to_string(&ds).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -397,6 +386,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SOCKET_ENV", stoker_client::proto::SOCKET_ENV)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(parse_steps, m)?)?;
+    m.add_function(wrap_pyfunction!(check_hdf5, m)?)?;
     m.add("TRANSFORM_STEPS", stoker_client::proto::step_names())?;
     Ok(())
 }

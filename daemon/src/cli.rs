@@ -173,17 +173,17 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             serve(config.as_deref(), socket, log_level, log_format)
         }
         Command::Validate { file, skip_files } => validate(&file, !skip_files),
-        Command::Inspect { file, json, probe } if file.iter().all(|f| crate::inspect::is_lmdb(f)) => {
-            let envs = crate::inspect::inspect_lmdb(&file, probe)?;
+        Command::Inspect { file, json, probe } if file.iter().all(|f| stoker_data::inspect::is_lmdb(f)) => {
+            let envs = stoker_data::inspect::inspect_lmdb(&file, probe)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&envs)?);
             } else {
-                print!("{}", crate::inspect::format_lmdb_report(&envs));
+                print!("{}", stoker_data::inspect::format_lmdb_report(&envs));
             }
             Ok(ExitCode::SUCCESS)
         }
         Command::Inspect { file, json, .. } => {
-            if let Some(env) = file.iter().find(|f| crate::inspect::is_lmdb(f)) {
+            if let Some(env) = file.iter().find(|f| stoker_data::inspect::is_lmdb(f)) {
                 anyhow::bail!(
                     "{} is an LMDB environment and the others are not: inspect HDF5 files and LMDB environments \
                      separately",
@@ -192,7 +192,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             let mut all = Vec::with_capacity(file.len());
             for f in &file {
-                all.push((f, crate::inspect::inspect(f)?));
+                all.push((f, stoker_data::inspect::inspect(f)?));
             }
             if json {
                 match all.as_slice() {
@@ -210,7 +210,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     if i > 0 {
                         println!();
                     }
-                    print!("{}", crate::inspect::format_report(f, reports));
+                    print!("{}", stoker_data::inspect::format_report(f, reports));
                 }
             }
             Ok(ExitCode::SUCCESS)
@@ -381,7 +381,7 @@ pub fn format_cache(r: &stoker_proto::CacheReport) -> String {
 fn validate(file: &Path, open_files: bool) -> anyhow::Result<ExitCode> {
     let text = std::fs::read_to_string(file).with_context(|| format!("cannot read config {}", file.display()))?;
     let config = Config::parse(&text, file)?;
-    let files = if open_files { config.check_files() } else { Vec::new() };
+    let files = if open_files { crate::dataset::check::check_files(&config) } else { Vec::new() };
     let (settings, mut problems) = match config.check() {
         Ok(settings) => (Some(settings), Vec::new()),
         Err(problems) => (None, problems),
@@ -493,7 +493,7 @@ fn serve(
     let settings = load(cfg)?;
     raise_nofile_limit();
     // Taken before any thread starts: adopting them unsets LISTEN_* variables.
-    let inherited = crate::fsaccess::listen_fds();
+    let inherited = stoker_data::fsaccess::listen_fds();
     let socket = settings.socket.clone();
     let runtime =
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("stoker-io").enable_all().build()?;
@@ -537,8 +537,8 @@ fn serve(
 /// Loads the caches a previous daemon of this unit left in systemd's fd
 /// store, then asks systemd to drop its copy (the memory is freed once
 /// loaded). Anything else passed in is closed.
-fn restore_caches(caches: &crate::cache::Caches, inherited: Vec<(std::os::fd::OwnedFd, String)>) {
-    use crate::cache::snapshot::FD_NAME;
+fn restore_caches(caches: &stoker_data::cache::Caches, inherited: Vec<(std::os::fd::OwnedFd, String)>) {
+    use stoker_data::cache::snapshot::FD_NAME;
     for (fd, name) in inherited {
         if name != FD_NAME {
             tracing::warn!(name = %name, "ignoring a file descriptor passed by systemd");
@@ -562,8 +562,8 @@ fn restore_caches(caches: &crate::cache::Caches, inherited: Vec<(std::os::fd::Ow
 /// ≥ 1, which sets `$FDSTORE`), hands the caches to systemd in a sealed
 /// memfd so the next daemon of the unit (a restart or upgrade of the same
 /// version) starts warm.
-fn store_caches(caches: &crate::cache::Caches) {
-    use crate::cache::snapshot::FD_NAME;
+fn store_caches(caches: &stoker_data::cache::Caches) {
+    use stoker_data::cache::snapshot::FD_NAME;
     let wanted = std::env::var("FDSTORE").ok().and_then(|n| n.parse::<u64>().ok()).is_some_and(|n| n > 0);
     if !wanted || std::env::var_os("NOTIFY_SOCKET").is_none() {
         return;

@@ -215,12 +215,12 @@ pub struct CacheConfig {
     pub sample_bytes: Option<u64>,
     /// Which entry both caches evict: `"belady"` (furthest next use over
     /// every registered stream) or `"lru"`.
-    pub policy: crate::cache::Policy,
+    pub policy: stoker_data::cache::Policy,
 }
 
 impl Default for CacheConfig {
     fn default() -> Self {
-        CacheConfig { chunk_bytes: 512 << 20, sample_bytes: None, policy: crate::cache::Policy::Belady }
+        CacheConfig { chunk_bytes: 512 << 20, sample_bytes: None, policy: stoker_data::cache::Policy::Belady }
     }
 }
 
@@ -231,173 +231,9 @@ impl Default for CacheConfig {
 #[allow(clippy::large_enum_variant)]
 pub enum DatasetConfig {
     /// `format = "hdf5"`.
-    Hdf5(Hdf5DatasetConfig),
+    Hdf5(stoker_proto::Hdf5Dataset),
     /// `format = "lmdb"`: fields as `[[datasets.NAME.fields]]` tables.
     Lmdb(stoker_proto::LmdbDataset),
-}
-
-/// A `format = "hdf5"` dataset.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Hdf5DatasetConfig {
-    /// Absolute glob of the files; matches are taken in sorted order.
-    pub files: String,
-    /// Field name → HDF5 dataset path inside each file.
-    pub fields: BTreeMap<String, String>,
-    /// Samples are windows along axis 1 (time): `{ size = 4, stride = 1 }`.
-    pub window: Option<WindowConfig>,
-    /// With a window, fields delivered whole per item (`field[item]`), e.g. per-trajectory constants.
-    #[serde(default)]
-    pub per_item: Vec<String>,
-    /// With a split window, the fields that take its first `n_steps_input` steps.
-    #[serde(default)]
-    pub input: Vec<String>,
-    /// With a split window, the fields that take its last `n_steps_output` steps.
-    #[serde(default)]
-    pub output: Vec<String>,
-    /// Fields without the item axis (The Well's `sample_varying = False`
-    /// constants), delivered whole with every sample of their file.
-    #[serde(default)]
-    pub constant: Vec<String>,
-    /// Windowed fields without the item axis, `[time, ...]` (The Well's
-    /// `dimensions/time`): each sample gets its window's steps of them.
-    #[serde(default)]
-    pub time_only: Vec<String>,
-    /// Field name → transform steps run in the daemon (the steps of an LMDB field's `transforms`).
-    #[serde(default)]
-    pub transforms: BTreeMap<String, Vec<stoker_proto::TransformDef>>,
-    /// Field name → `{ with = "other", scale = 1 }`: draw random crops and flips with field `other`.
-    #[serde(default)]
-    pub pair: BTreeMap<String, stoker_proto::PairDef>,
-    /// Field name → the two axes of its sample that spatial steps act on (default: see docs/python.md).
-    #[serde(default)]
-    pub spatial_axes: BTreeMap<String, [i64; 2]>,
-    /// `"epoch"`: match the glob again at each new epoch (files added join,
-    /// removed ones leave); `"never"` (default): once, when a stream opens.
-    #[serde(default)]
-    pub rescan: stoker_proto::Rescan,
-}
-
-impl Hdf5DatasetConfig {
-    /// The `transforms`, `pair` and `spatial_axes` tables, one entry per field they name.
-    pub fn field_transforms(&self) -> Vec<stoker_proto::FieldTransforms> {
-        let mut names: Vec<&String> =
-            self.transforms.keys().chain(self.pair.keys()).chain(self.spatial_axes.keys()).collect();
-        names.sort();
-        names.dedup();
-        names
-            .into_iter()
-            .map(|name| stoker_proto::FieldTransforms {
-                field: name.clone(),
-                steps: self.transforms.get(name).cloned().unwrap_or_default(),
-                pair: self.pair.get(name).cloned(),
-                spatial_axes: self.spatial_axes.get(name).copied(),
-            })
-            .collect()
-    }
-}
-
-impl Hdf5DatasetConfig {
-    /// The source spec this table describes (checked by [`Config::validate`]).
-    pub fn spec(&self, fast_path: bool) -> crate::source::hdf5::Hdf5Spec {
-        let (min_dt_stride, max_dt_stride) = self.window.map_or((1, 1), |w| w.dt_strides());
-        crate::source::hdf5::Hdf5Spec {
-            files: self.files.clone(),
-            fields: self.fields.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-            window: self.window.map(|w| w.window()),
-            per_item: self.per_item.clone(),
-            fast_path,
-            sampling: stoker_proto::Hdf5Sampling {
-                n_steps_input: self.window.and_then(|w| w.n_steps_input),
-                min_dt_stride,
-                max_dt_stride,
-                input: self.input.clone(),
-                output: self.output.clone(),
-                constant: self.constant.clone(),
-                time_only: self.time_only.clone(),
-            },
-            max_chunk_bytes: u64::MAX,
-        }
-    }
-}
-
-/// A dataset's `window = { size, stride }`, or The Well's
-/// `{ n_steps_input, n_steps_output, dt_stride | min_dt_stride, max_dt_stride }`.
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct WindowConfig {
-    /// Steps per sample (or give `n_steps_input` and `n_steps_output`).
-    pub size: Option<u64>,
-    /// Steps between the starts of consecutive samples.
-    #[serde(default = "one")]
-    pub stride: u64,
-    /// Steps of each window delivered to the `input` fields (The Well's `n_steps_input`).
-    pub n_steps_input: Option<u64>,
-    /// Steps after those delivered to the `output` fields (The Well's `n_steps_output`).
-    pub n_steps_output: Option<u64>,
-    /// Fixed spacing of the steps inside a window (default 1: consecutive).
-    pub dt_stride: Option<u64>,
-    /// Smallest spacing when each sample draws its own (The Well's `min_dt_stride`).
-    pub min_dt_stride: Option<u64>,
-    /// Largest spacing when each sample draws its own (The Well's `max_dt_stride`).
-    pub max_dt_stride: Option<u64>,
-}
-
-impl WindowConfig {
-    /// The window: `size`, else `n_steps_input + n_steps_output` (saturating;
-    /// `WindowConfig::problem` refuses an overflow).
-    pub fn window(&self) -> crate::source::hdf5::Window {
-        let split = self.n_steps_input.unwrap_or(0).saturating_add(self.n_steps_output.unwrap_or(0));
-        crate::source::hdf5::Window { size: self.size.unwrap_or(split), stride: self.stride }
-    }
-
-    /// `(min_dt_stride, max_dt_stride)`: `dt_stride` for both, else the range (each defaulting to the other, then 1).
-    pub fn dt_strides(&self) -> (u64, u64) {
-        match (self.dt_stride, self.min_dt_stride, self.max_dt_stride) {
-            (Some(dt), ..) => (dt, dt),
-            (None, min, max) => {
-                let min = min.unwrap_or(1);
-                (min, max.unwrap_or(min))
-            }
-        }
-    }
-
-    /// What is wrong with the table, if anything.
-    fn problem(&self) -> Option<String> {
-        let split = (self.n_steps_input, self.n_steps_output);
-        if self.size.is_some() && split != (None, None) {
-            return Some("give either size or n_steps_input and n_steps_output, not both".into());
-        }
-        if self.size.is_none() && (split.0.is_none() || split.1.is_none()) {
-            return Some(
-                "needs size = N, or n_steps_input and n_steps_output (e.g. { n_steps_input = 4, n_steps_output = 1 })"
-                    .into(),
-            );
-        }
-        if let (Some(a), Some(b)) = split
-            && a.checked_add(b).is_none()
-        {
-            return Some(format!("n_steps_input {a} + n_steps_output {b} overflows 64 bits"));
-        }
-        let size = self.window().size;
-        if size == 0 || self.stride == 0 {
-            return Some(format!("size = {size} and stride = {} must both be at least 1", self.stride));
-        }
-        if self.dt_stride.is_some() && (self.min_dt_stride.is_some() || self.max_dt_stride.is_some()) {
-            return Some("give either dt_stride or min_dt_stride/max_dt_stride, not both".into());
-        }
-        let (min, max) = self.dt_strides();
-        if min == 0 || max < min {
-            return Some(format!(
-                "step spacing min_dt_stride = {min}, max_dt_stride = {max}: both at least 1, max at least min"
-            ));
-        }
-        None
-    }
-}
-
-fn one() -> u64 {
-    1
 }
 
 /// The checked configuration the daemon runs with.
@@ -430,7 +266,7 @@ pub struct Settings {
     /// Bytes of the decoded-sample cache.
     pub sample_cache_bytes: u64,
     /// Eviction policy of both caches.
-    pub cache_policy: crate::cache::Policy,
+    pub cache_policy: stoker_data::cache::Policy,
     /// HDF5 fast path on or off.
     pub hdf5_fast_path: bool,
     /// Named datasets.
@@ -537,47 +373,8 @@ impl Config {
                     continue;
                 }
             };
-            if !Path::new(&ds.files).is_absolute() {
-                problem(
-                    &["datasets", name, "files"],
-                    format!("[datasets.{name}] files = {:?} must be an absolute path or glob", ds.files),
-                );
-            }
-            if let Some(message) = ds.window.and_then(|w| w.problem()) {
-                problem(&["datasets", name, "window"], format!("[datasets.{name}] window {message}"));
-            }
-            for (key, names) in
-                [("input", &ds.input), ("output", &ds.output), ("constant", &ds.constant), ("time_only", &ds.time_only)]
-            {
-                if let Some(unknown) = names.iter().find(|f| !ds.fields.contains_key(*f)) {
-                    problem(
-                        &["datasets", name, key],
-                        format!("[datasets.{name}] {key} names {unknown:?}, which is not in fields"),
-                    );
-                }
-            }
-            if let Some(unknown) = ds.per_item.iter().find(|f| !ds.fields.contains_key(*f)) {
-                problem(
-                    &["datasets", name, "per_item"],
-                    format!("[datasets.{name}] per_item names {unknown:?}, which is not in fields"),
-                );
-            } else if !ds.per_item.is_empty() && ds.window.is_none() {
-                problem(
-                    &["datasets", name, "per_item"],
-                    format!(
-                        "[datasets.{name}] per_item is set but there is no window; without a window every field \
-                         is per item (add window = {{ size = 4, stride = 1 }} or remove per_item)"
-                    ),
-                );
-            }
-            if ds.fields.is_empty() {
-                problem(
-                    &["datasets", name, "fields"],
-                    format!(
-                        "[datasets.{name}] fields is empty; map at least one field name to an HDF5 path, \
-                         e.g. fields = {{ x = \"data\" }}"
-                    ),
-                );
+            for p in ds.problems() {
+                problem(&["datasets", name, p.key], format!("[datasets.{name}] {}", p.message));
             }
         }
         if self.limits.max_sample_bytes == 0 || self.limits.max_batch_bytes == 0 {
@@ -706,7 +503,7 @@ pub struct Problem {
 }
 
 impl Problem {
-    fn new(at: &[&str], message: String) -> Problem {
+    pub(crate) fn new(at: &[&str], message: String) -> Problem {
         Problem { at: at.iter().map(|s| s.to_string()).collect(), message }
     }
 
@@ -739,126 +536,6 @@ impl Problem {
         let offset = span?.start;
         Some(text.get(..offset)?.matches('\n').count() + 1)
     }
-}
-
-impl Config {
-    /// Opens every named dataset as the daemon would when a client asks for
-    /// it (its files by handle, read-only; LMDB environments mapped without
-    /// the lock file), serving nothing: globs that match no file, files or
-    /// environments that do not open, missing fields and keys become
-    /// problems, one per dataset, plus one per LMDB environment or key file
-    /// that is missing. Used by `stoker validate`; the daemon opens datasets
-    /// on demand.
-    pub fn check_files(&self) -> Vec<Problem> {
-        let mut problems = Vec::new();
-        for (name, ds) in &self.datasets {
-            let problem = match ds {
-                DatasetConfig::Hdf5(ds) => self.check_hdf5(ds),
-                DatasetConfig::Lmdb(ds) => {
-                    let missing = check_lmdb_paths(ds);
-                    if missing.is_empty() {
-                        self.check_lmdb(ds)
-                    } else {
-                        for (at, message) in missing {
-                            let at: Vec<&str> =
-                                ["datasets", name].into_iter().chain(at.iter().map(String::as_str)).collect();
-                            problems.push(Problem::new(&at, format!("[datasets.{name}] {message}")));
-                        }
-                        None
-                    }
-                }
-            };
-            if let Some((at, message)) = problem {
-                let at: Vec<&str> = ["datasets", name].into_iter().chain(at.iter().map(String::as_str)).collect();
-                problems.push(Problem::new(&at, format!("[datasets.{name}] {message}")));
-            }
-        }
-        problems
-    }
-
-    /// Opens an HDF5 dataset's files and fields; the problem and the key it is about.
-    fn check_hdf5(&self, ds: &Hdf5DatasetConfig) -> Option<(Vec<String>, String)> {
-        use crate::source::SourceError;
-        use crate::source::hdf5::{self, Hdf5Source, OpenFiles};
-        let mut spec = ds.spec(self.hdf5.fast_path);
-        spec.max_chunk_bytes = self.limits.max_sample_bytes;
-        let mut chains = match crate::dataset::field_chains(&ds.field_transforms()) {
-            Ok(chains) => chains,
-            Err(message) => return Some((vec!["transforms".to_string()], message)),
-        };
-        let opened = hdf5::check_files(&spec, None).and_then(|files| {
-            let cache = crate::cache::CacheCtx::disabled();
-            let source = Hdf5Source::open(&spec, files, cache, OpenFiles::new(self.limits.max_open_files))?;
-            if chains.is_empty() {
-                return Ok(());
-            }
-            crate::dataset::load_stats(chains.iter_mut().flat_map(|c| c.steps.iter_mut()), None)?;
-            let source: std::sync::Arc<dyn crate::source::Source> = std::sync::Arc::new(source);
-            crate::transform::transformed::Transformed::new(source, &chains, &spec.files, self.limits.max_sample_bytes)
-                .map(drop)
-        });
-        let e = opened.err()?;
-        let at = match &e {
-            SourceError::MissingField { field, .. }
-            | SourceError::Dtype { field, .. }
-            | SourceError::Inconsistent { field, .. } => vec!["fields".to_string(), field.clone()],
-            SourceError::Spec { .. } => Vec::new(),
-            _ => vec!["files".to_string()],
-        };
-        Some((at, e.to_string()))
-    }
-
-    /// Opens an LMDB dataset (environments, keys, probed values); the problem and the key it is about.
-    fn check_lmdb(&self, ds: &stoker_proto::LmdbDataset) -> Option<(Vec<String>, String)> {
-        use crate::source::{SourceError, lmdb::LmdbSource};
-        let mut spec = match crate::dataset::lmdb_spec(ds, None) {
-            Ok(spec) => spec,
-            Err((_, message)) => return Some((Vec::new(), message)),
-        };
-        spec.max_value_bytes = self.limits.max_sample_bytes;
-        if let Err(e) = crate::dataset::load_stats(spec.fields.iter_mut().flat_map(|f| f.transforms.iter_mut()), None) {
-            return Some((Vec::new(), e.to_string()));
-        }
-        let e = LmdbSource::open(&spec).err()?;
-        let field_at = |i: usize| vec!["fields".to_string(), i.to_string()];
-        let at = match &e {
-            SourceError::LmdbKeyFile { .. } => vec!["key_file".to_string()],
-            SourceError::LmdbField { field, .. } => {
-                ds.fields.iter().position(|f| &f.name == field).map_or_else(Vec::new, field_at)
-            }
-            SourceError::LmdbOpen { env, .. } | SourceError::LmdbEmpty { env, .. } => {
-                match ds.fields.iter().position(|f| Path::new(&f.env) == env) {
-                    Some(i) => [field_at(i), vec!["env".to_string()]].concat(),
-                    None => Vec::new(),
-                }
-            }
-            _ => Vec::new(),
-        };
-        Some((at, e.to_string()))
-    }
-}
-
-/// Every environment and key file of an LMDB dataset that cannot be opened
-/// (missing, unreadable, a directory without `data.mdb`), with the key naming it.
-fn check_lmdb_paths(ds: &stoker_proto::LmdbDataset) -> Vec<(Vec<String>, String)> {
-    use crate::fsaccess::{self, Want};
-    let mut missing = Vec::new();
-    for (i, f) in ds.fields.iter().enumerate() {
-        let opened = fsaccess::open(Path::new(&f.env), None, Want::FileOrDir)
-            .and_then(|env| if env.is_dir { fsaccess::open_in(&env, "data.mdb").map(drop) } else { Ok(()) });
-        if let Err(e) = opened {
-            missing.push((
-                vec!["fields".to_string(), i.to_string(), "env".to_string()],
-                format!("field {:?}: LMDB environment: {e}", f.name),
-            ));
-        }
-    }
-    if let Some(path) = &ds.key_file
-        && let Err(e) = fsaccess::open(Path::new(path), None, Want::File)
-    {
-        missing.push((vec!["key_file".to_string()], format!("key_file: {e}")));
-    }
-    missing
 }
 
 /// A group name (looked up in /etc/group; no NSS) or a numeric gid.

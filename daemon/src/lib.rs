@@ -1,20 +1,19 @@
-//! stoker's daemon: config, HDF5 source, sampler, shared-memory rings, streams
-//! and the tokio control server, plus the CLI subcommands that talk to it.
-//! `main.rs` only parses flags and calls into this crate.
+//! stoker's serving layer: config, the dataset registry, shared-memory rings,
+//! streams and their worker pool, metrics, the tokio control server, and the
+//! CLI subcommands that talk to it. `main.rs` only parses flags and calls
+//! [`cli::run`].
+//!
+//! Layer 3 of 3 (`stoker-proto` ← `stoker-decode` ← `stoker-data` ←
+//! **`stoker-daemon`**). `unsafe` is denied except in `ring` (the only module
+//! that maps shared memory).
 
-pub mod cache;
+#![deny(unsafe_code)]
+
 pub mod cli;
-pub mod codec;
 pub mod config;
 pub mod dataset;
-pub mod filter;
-pub mod fsaccess;
-pub mod inspect;
-pub mod libjpeg;
 pub mod metrics;
+#[allow(unsafe_code)] // maps the rings' memfds and hands out slot slices
 pub mod ring;
-pub mod sampler;
 pub mod server;
-pub mod source;
 pub mod stream;
-pub mod transform;

@@ -4,16 +4,15 @@
 //! and the small HTTP/1.1 responder that serves it on `GET /metrics`
 //! (`[metrics] listen`).
 //!
-//! Counters live where they cannot go backwards: per dataset in
-//! [`Metrics`] (kept after its streams close), per stream in the stream
-//! (a series that ends with its stream). The fill path pays a few relaxed
-//! atomic adds per batch, none per sample.
+//! The counters themselves live with the fill path that feeds them
+//! ([`crate::stream::counters`]): per dataset in [`Metrics`] (kept after its
+//! streams close), per stream in the stream (a series that ends with its
+//! stream). This module only reads them.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use prometheus_client::collector::Collector;
@@ -25,9 +24,10 @@ use prometheus_client::registry::{Registry, Unit};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::cache::CacheStats;
-use crate::source::Source;
 use crate::stream::Stream;
+use crate::stream::counters::{DatasetCounters, worker_busy};
+use stoker_data::cache::CacheStats;
+use stoker_data::source::Source;
 
 /// Datasets whose counters are kept; beyond it, those no stream uses are forgotten
 /// (ad-hoc datasets are labelled by their path, so their number is the clients' choice).
@@ -41,100 +41,10 @@ const HTTP_DEADLINE: Duration = Duration::from_secs(5);
 /// The OpenMetrics text format `prometheus-client` encodes.
 const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// Counters of one dataset (by its config name or ad-hoc path), shared by
-/// every stream reading it and kept after they close, so they only grow.
-#[derive(Debug, Default)]
-pub struct DatasetCounters {
-    batches: AtomicU64,
-    bytes: AtomicU64,
-    decode_ns: AtomicU64,
-    errors: AtomicU64,
-    skips: Mutex<Skips>,
-    /// The daemon-wide worker busy time this dataset's fills add to.
-    worker_busy_ns: Arc<AtomicU64>,
-}
-
-/// Samples skipped (`on_error = "skip"`) summed over the sources a dataset
-/// has had: a source counts its own, and may be replaced by a fresh one.
-#[derive(Debug, Default)]
-struct Skips {
-    total: u64,
-    /// Each source seen and its count when last looked at. The `Weak` keeps
-    /// the address from being reused (not the source open).
-    seen: Vec<(Weak<dyn Source>, u64)>,
-}
-
-impl DatasetCounters {
-    /// Records the thread-time one batch fill spent reading and decoding samples.
-    pub fn filled(&self, busy: Duration) {
-        let ns = u64::try_from(busy.as_nanos()).unwrap_or(u64::MAX);
-        // Relaxed: statistics, ordered with nothing.
-        self.decode_ns.fetch_add(ns, Ordering::Relaxed);
-        self.worker_busy_ns.fetch_add(ns, Ordering::Relaxed);
-    }
-
-    /// Records a batch made ready for delivery: `bytes` of samples, or a failure.
-    pub fn completed(&self, bytes: u64, failed: bool) {
-        self.batches.fetch_add(1, Ordering::Relaxed);
-        if failed {
-            self.errors.fetch_add(1, Ordering::Relaxed);
-        } else {
-            self.bytes.fetch_add(bytes, Ordering::Relaxed);
-        }
-    }
-
-    /// Adds what `source` skipped since it was last looked at. Called at
-    /// every scrape for open streams and when a stream closes, so skips of a
-    /// source that goes away are counted before it does.
-    pub fn observe_skips(&self, source: &Arc<dyn Source>) {
-        let now = source.skipped();
-        let mut skips = self.skips.lock().unwrap_or_else(|e| e.into_inner());
-        let weak = Arc::downgrade(source);
-        match skips.seen.iter().position(|(w, _)| w.ptr_eq(&weak)) {
-            Some(i) => {
-                let before = std::mem::replace(&mut skips.seen[i].1, now);
-                skips.total = skips.total.saturating_add(now.saturating_sub(before));
-            }
-            None => {
-                skips.total = skips.total.saturating_add(now);
-                skips.seen.push((weak, now));
-            }
-        }
-        skips.seen.retain(|(w, _)| w.strong_count() > 0);
-    }
-
-    fn skipped(&self) -> u64 {
-        self.skips.lock().unwrap_or_else(|e| e.into_inner()).total
-    }
-}
-
-/// Adds the time from its creation to its drop to a nanosecond counter
-/// (one part of a batch fill, however it ends).
-#[derive(Debug)]
-pub struct Timer<'a> {
-    total_ns: &'a AtomicU64,
-    started: Instant,
-}
-
-impl<'a> Timer<'a> {
-    /// Starts timing into `total_ns`.
-    pub fn new(total_ns: &'a AtomicU64) -> Timer<'a> {
-        Timer { total_ns, started: Instant::now() }
-    }
-}
-
-impl Drop for Timer<'_> {
-    fn drop(&mut self) {
-        let ns = u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.total_ns.fetch_add(ns, Ordering::Relaxed);
-    }
-}
-
 /// The daemon's metric counters (the rest is read from its state at scrape time).
 #[derive(Debug, Default)]
 pub struct Metrics {
     datasets: Mutex<BTreeMap<String, Arc<DatasetCounters>>>,
-    worker_busy_ns: Arc<AtomicU64>,
 }
 
 /// The daemon state one scrape reports besides [`Metrics`]' own counters.
@@ -167,8 +77,7 @@ impl Metrics {
                 all.remove(&idle);
             }
         }
-        let counters =
-            Arc::new(DatasetCounters { worker_busy_ns: self.worker_busy_ns.clone(), ..DatasetCounters::default() });
+        let counters = Arc::new(DatasetCounters::default());
         all.insert(dataset.to_string(), counters.clone());
         counters
     }
@@ -206,10 +115,10 @@ impl Metrics {
             rows.insert(
                 label.clone(),
                 DatasetRow {
-                    batches: c.batches.load(Ordering::Relaxed),
-                    bytes: c.bytes.load(Ordering::Relaxed),
-                    decode_s: nanos_to_s(c.decode_ns.load(Ordering::Relaxed)),
-                    errors: c.errors.load(Ordering::Relaxed),
+                    batches: c.batches(),
+                    bytes: c.bytes(),
+                    decode_s: c.decode().as_secs_f64(),
+                    errors: c.errors(),
                     skipped: c.skipped(),
                     open_files: 0,
                 },
@@ -243,7 +152,7 @@ impl Metrics {
             sample_cache: scrape.sample_cache,
             clients: scrape.clients,
             worker_threads: scrape.worker_threads,
-            worker_busy_s: nanos_to_s(self.worker_busy_ns.load(Ordering::Relaxed)),
+            worker_busy_s: worker_busy().as_secs_f64(),
         };
         let mut registry = Registry::default();
         registry.register_collector(Box::new(snapshot));
@@ -255,10 +164,6 @@ impl Metrics {
         }
         text
     }
-}
-
-fn nanos_to_s(ns: u64) -> f64 {
-    ns as f64 / 1e9
 }
 
 /// One stream's values at scrape time.
@@ -695,12 +600,15 @@ mod tests {
     fn dataset_counters_only_grow_across_replaced_sources() {
         let metrics = Metrics::default();
         let c = metrics.dataset("d");
+        let busy = worker_busy();
         c.filled(Duration::from_millis(5));
         c.completed(100, false);
         c.completed(0, true);
-        assert_eq!(c.bytes.load(Ordering::Relaxed), 100);
-        assert_eq!(c.errors.load(Ordering::Relaxed), 1);
-        assert_eq!(metrics.worker_busy_ns.load(Ordering::Relaxed), 5_000_000);
+        assert_eq!(c.bytes(), 100);
+        assert_eq!(c.errors(), 1);
+        assert_eq!(c.decode(), Duration::from_millis(5));
+        // The one daemon-wide counter (other tests' fills may add to it too).
+        assert!(worker_busy() >= busy + Duration::from_millis(5));
         assert!(Arc::ptr_eq(&c, &metrics.dataset("d")));
     }
 }

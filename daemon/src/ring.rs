@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use memmap2::MmapMut;
 use rustix::fs::{MemfdFlags, SealFlags};
+use stoker_data::source::FieldOut;
 use stoker_proto::ctrl::{CTRL_BYTES, Control};
 use stoker_proto::{BatchLayout, RING_LAYOUT_VERSION, RING_MAGIC};
 
@@ -212,16 +213,6 @@ impl Drop for Claim {
         // Release pairs with the Acquire in `Ring::writer`.
         self.ring.claimed[self.slot as usize].store(false, Ordering::Release);
     }
-}
-
-/// Where a source writes one field of one row.
-#[derive(Debug)]
-pub struct FieldOut<'a> {
-    /// The row's bytes: exactly one sample for fixed-shape fields; for a
-    /// ragged field, room for the largest sample allowed (the values go first).
-    pub data: &'a mut [u8],
-    /// For a ragged field, the row's shape, to be filled in (one entry per dimension).
-    pub shape: Option<&'a mut [u64]>,
 }
 
 /// Exclusive write access to some rows of one slot.

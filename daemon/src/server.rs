@@ -24,12 +24,12 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, watch};
 use tracing::Instrument;
 
-use crate::cache::Caches;
 use crate::config::Settings;
 use crate::dataset::Datasets;
 use crate::ring::{ControlPage, Ring};
-use crate::sampler::{Sampler, Shuffle};
 use crate::stream::{Budget, Fetched, Shm, Stream, StreamMeta};
+use stoker_data::cache::Caches;
+use stoker_data::sampler::{Sampler, Shuffle};
 
 /// An error reply: kind plus a message for the user.
 type Reply<T> = Result<T, (ErrorKind, String)>;
@@ -78,13 +78,13 @@ pub struct Daemon {
 /// Span over which `stoker status` reports worker utilisation.
 const LOAD_WINDOW: Duration = Duration::from_secs(10);
 
-/// Samples [`crate::stream::worker_busy`] once a second into `load` until the daemon is gone.
+/// Samples [`crate::stream::counters::worker_busy`] once a second into `load` until the daemon is gone.
 fn sample_load(load: std::sync::Weak<Mutex<VecDeque<(Instant, Duration)>>>) {
     while let Some(load) = load.upgrade() {
         {
             let mut samples = lock(&load);
             let now = Instant::now();
-            samples.push_back((now, crate::stream::worker_busy()));
+            samples.push_back((now, crate::stream::counters::worker_busy()));
             while samples.front().is_some_and(|(t, _)| now.duration_since(*t) > LOAD_WINDOW) {
                 samples.pop_front();
             }
@@ -289,7 +289,7 @@ impl Daemon {
     /// Worker utilisation over the last [`LOAD_WINDOW`] (since start until a sample is a second old).
     fn worker_status(&self) -> WorkerStatus {
         let now = Instant::now();
-        let busy = crate::stream::worker_busy();
+        let busy = crate::stream::counters::worker_busy();
         let oldest =
             lock(&self.load).front().copied().filter(|(t, _)| now.duration_since(*t) >= Duration::from_secs(1));
         let (since, busy_before) = oldest.unwrap_or((self.started, Duration::ZERO));
@@ -430,7 +430,7 @@ impl Daemon {
     }
 }
 
-fn cache_status(s: crate::cache::CacheStats) -> CacheStatus {
+fn cache_status(s: stoker_data::cache::CacheStats) -> CacheStatus {
     CacheStatus {
         bytes: s.bytes,
         capacity: s.capacity,
@@ -623,7 +623,7 @@ struct Connection {
     uid: u32,
     pid: u32,
     job: Option<String>,
-    peer: crate::fsaccess::Peer,
+    peer: stoker_data::fsaccess::Peer,
     writer: OwnedWriteHalf,
     streams: HashMap<u64, Arc<Stream>>,
     /// How each `rescan = "epoch"` stream was opened: its dataset is opened
@@ -674,7 +674,7 @@ async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: u64, mut st
         uid,
         pid,
         job: None,
-        peer: crate::fsaccess::Peer { uid, gid, pid },
+        peer: stoker_data::fsaccess::Peer { uid, gid, pid },
         writer,
         streams: HashMap::new(),
         rescans: HashMap::new(),
@@ -1090,16 +1090,16 @@ impl Connection {
         stream: &Arc<Stream>,
         open: &OpenStream,
         epoch: u64,
-    ) -> Reply<(Arc<dyn crate::source::Source>, Sampler, stoker_proto::Generation)> {
+    ) -> Reply<(Arc<dyn stoker_data::source::Source>, Sampler, stoker_proto::Generation)> {
         let label = &stream.meta().dataset;
         let opened = self
             .open_dataset(open)
             .await
             .map_err(|(kind, message)| (kind, format!("rescanning dataset {label} for epoch {epoch}: {message}")))?;
         let was = stream.source();
-        let decls = |s: &Arc<dyn crate::source::Source>| s.fields().iter().map(|f| f.decl()).collect::<Vec<_>>();
+        let decls = |s: &Arc<dyn stoker_data::source::Source>| s.fields().iter().map(|f| f.decl()).collect::<Vec<_>>();
         if decls(&opened.source) != decls(&was) {
-            let show = |s: &Arc<dyn crate::source::Source>| {
+            let show = |s: &Arc<dyn stoker_data::source::Source>| {
                 s.fields().iter().map(|f| format!("{} {:?} {:?}", f.name, f.dtype, f.shape)).collect::<Vec<_>>()
             };
             return Err((

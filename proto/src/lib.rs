@@ -9,10 +9,12 @@
 #![forbid(unsafe_code)]
 
 pub mod ctrl;
+mod hdf5;
 mod layout;
 mod message;
 mod steps;
 
+pub use hdf5::{FieldPaths, Hdf5Dataset, Hdf5Problem, WindowDef};
 pub use layout::{
     BatchLayout, DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_SAMPLE_BYTES, DType, FIELD_ALIGN, FieldDecl, FieldLayout,
     LayoutError, LayoutLimits, RING_HEADER_BYTES, RING_LAYOUT_VERSION, RING_MAGIC, Ragged, SLOT_ALIGN,
@@ -26,7 +28,7 @@ pub use message::{
 pub use steps::{step_from_json, step_names};
 
 /// Version of the wire protocol; bumped on any incompatible change.
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// Socket path used when neither `--socket`, `$STOKER_SOCKET` nor a config says otherwise.
 pub const DEFAULT_SOCKET: &str = "/run/stoker/stoker.sock";

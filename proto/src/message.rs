@@ -130,24 +130,8 @@ pub struct BlockShuffle {
 pub enum DatasetRef {
     /// A `[datasets.NAME]` table of the daemon's config.
     Named(String),
-    /// HDF5 files matching a glob, each field an HDF5 dataset path.
-    Hdf5 {
-        /// Absolute glob; files are taken in sorted order.
-        files: String,
-        /// `(field name, HDF5 path)` pairs, in delivery order.
-        fields: Vec<(String, String)>,
-        /// Optional window along axis 1: `(size, stride)`.
-        window: Option<(u64, u64)>,
-        /// Fields delivered whole per item when windowed.
-        per_item: Vec<String>,
-        /// Split windows, step spacing inside a window, constant fields (The
-        /// Well's sampling); boxed to keep requests small.
-        sampling: Box<Hdf5Sampling>,
-        /// Per-field transforms (fields without an entry are delivered as read).
-        transforms: Vec<FieldTransforms>,
-        /// Whether the glob is matched again at each new epoch.
-        rescan: Rescan,
-    },
+    /// HDF5 files matching a glob, each field an HDF5 dataset path (boxed to keep requests small).
+    Hdf5(Box<crate::Hdf5Dataset>),
     /// LMDB environments, each field a value codec plus transforms.
     Lmdb(LmdbDataset),
 }
@@ -787,20 +771,17 @@ mod fuzz {
 
     fn open(batch_size: u64, rank: u64, world_size: u64, epoch: u64, step: u64) -> Request {
         Request::OpenStream(OpenStream {
-            dataset: DatasetRef::Hdf5 {
-                files: "/data/*.h5".into(),
-                fields: vec![("x".into(), "x".into())],
-                window: Some((batch_size, step)),
-                per_item: vec![],
-                sampling: Box::default(),
-                transforms: vec![FieldTransforms {
-                    field: "x".into(),
-                    steps: vec![TransformDef::Rot90, TransformDef::Cast { dtype: "float32".into() }],
-                    pair: None,
-                    spatial_axes: Some([-2, -1]),
-                }],
+            dataset: DatasetRef::Hdf5(Box::new(crate::Hdf5Dataset {
+                window: Some(crate::WindowDef { size: Some(batch_size), stride: step, ..Default::default() }),
+                transforms: [(
+                    "x".to_string(),
+                    vec![TransformDef::Rot90, TransformDef::Cast { dtype: "float32".into() }],
+                )]
+                .into(),
+                spatial_axes: [("x".to_string(), [-2, -1])].into(),
                 rescan: Rescan::Epoch,
-            },
+                ..crate::Hdf5Dataset::new("/data/*.h5", [("x".to_string(), "x".to_string())])
+            })),
             batch_size,
             shuffle: true,
             seed: epoch,

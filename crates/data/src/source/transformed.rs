@@ -6,9 +6,9 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use super::{ArrayRef, Chain, Pair, SampleKey, Scratch, Step, TransformError};
-use crate::codec::AlignedBuf;
 use crate::source::{FieldOut, FieldSpec, SampleRef, Source, SourceError};
+use stoker_decode::codec::AlignedBuf;
+use stoker_decode::transform::{ArrayRef, Chain, Pair, SampleKey, Scratch, Step, TransformError};
 
 /// One field's transforms as declared.
 #[derive(Debug, Clone, PartialEq)]

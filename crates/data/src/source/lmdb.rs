@@ -29,6 +29,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
+use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, PoisonError, Weak};
@@ -38,12 +39,40 @@ use stoker_proto::DType;
 
 use super::{FieldOut, FieldSpec, LmdbReadError, SampleRef, Source, SourceError};
 use crate::cache::{CacheCtx, Decoded, Key, Uses};
-use crate::codec::{AlignedBuf, ArrayInfo, ByteOrder, Codec, CodecError, Format, Wrap};
-use crate::transform::{self, ArrayRef, Chain, Pair, SampleKey, Step, TransformError};
+use crate::fsaccess::FileId;
+use stoker_decode::codec::{AlignedBuf, ArrayInfo, ByteOrder, Codec, CodecError, Format, Wrap};
+use stoker_decode::transform::{self, ArrayRef, Chain, Pair, SampleKey, Step, TransformError};
 
 mod guard;
 
 use guard::{GuardError, MappedEnv, Txn};
+
+/// The files of an LMDB dataset, opened by handle beforehand.
+#[derive(Debug, Default)]
+pub struct CheckedLmdb {
+    /// Per environment path as the dataset names it: the identity of its data file.
+    pub envs: Vec<(PathBuf, FileId)>,
+    /// The key file's handle.
+    pub key_file: Option<File>,
+}
+
+impl CheckedLmdb {
+    /// Fails unless the environment LMDB opened for `path` (by name), whose
+    /// data file is (`dev`, `ino`), is the data file checked by handle: a
+    /// path swapped in between is refused.
+    pub fn check_env(&self, path: &Path, dev: u64, ino: u64) -> Result<(), SourceError> {
+        let Some((_, want)) = self.envs.iter().find(|(p, _)| p == path) else {
+            return Ok(());
+        };
+        let err = |message: String| SourceError::LmdbOpen { env: path.to_owned(), message };
+        if (dev, ino) != (want.dev, want.ino) {
+            return Err(err("is not the file checked a moment ago: it was replaced while being opened, or a \
+                 dataset opened before the replacement still holds the old one (close its Loaders and try again)"
+                .into()));
+        }
+        Ok(())
+    }
+}
 
 /// How many keys are probed at open unless the spec says otherwise.
 pub const DEFAULT_PROBE: usize = 8;
@@ -237,13 +266,13 @@ impl LmdbSource {
     /// Opens the environments of `spec` (each once per process), selects the
     /// keys, checks every environment holds them, and probes the field layouts.
     pub fn open(spec: &LmdbSpec) -> Result<LmdbSource, SourceError> {
-        LmdbSource::open_checked(spec, &crate::fsaccess::CheckedLmdb::default())
+        LmdbSource::open_checked(spec, &CheckedLmdb::default())
     }
 
     /// [`LmdbSource::open`] over files already opened by handle: each
     /// environment must still be the file `checked` identified, and the key
     /// file is read from its handle.
-    pub fn open_checked(spec: &LmdbSpec, checked: &crate::fsaccess::CheckedLmdb) -> Result<LmdbSource, SourceError> {
+    pub fn open_checked(spec: &LmdbSpec, checked: &CheckedLmdb) -> Result<LmdbSource, SourceError> {
         let first = spec.fields.first().ok_or_else(|| SourceError::LmdbField {
             env: PathBuf::new(),
             field: String::new(),
@@ -1159,7 +1188,7 @@ pub fn scan(path: &Path, probe: usize) -> Result<EnvScan, SourceError> {
 
 /// The codec name a value seems to need, and its decoded layout when a codec probes it.
 fn sniff_value(value: &[u8]) -> (String, Option<ArrayInfo>) {
-    let outer = crate::codec::sniff(value);
+    let outer = stoker_decode::codec::sniff(value);
     let candidates: Vec<String> = match outer {
         "lz4" | "zstd" => ["npy", "png", "jpeg"].iter().map(|inner| format!("{outer}+{inner}")).collect(),
         "unknown" => return ("unknown".into(), None),
@@ -1275,4 +1304,5 @@ impl Keys {
 }
 
 #[cfg(test)]
+#[allow(unsafe_code)] // opens environments with heed, whose open is unsafe
 mod tests;

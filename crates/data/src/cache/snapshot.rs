@@ -20,7 +20,7 @@ use std::sync::Arc;
 use stoker_proto::DType;
 
 use super::{Caches, Decoded, Key, Uses};
-use crate::codec::{AlignedBuf, ArrayInfo};
+use stoker_decode::codec::{AlignedBuf, ArrayInfo};
 
 /// The name of the fd in the store.
 pub const FD_NAME: &str = "stoker-cache";

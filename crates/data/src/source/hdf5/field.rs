@@ -7,7 +7,7 @@
 //! - **chunked**: chunk addresses are looked up through libhdf5 once per chunk
 //!   (`H5Dget_chunk_info_by_coord`, remembered). Unfiltered chunks: only the
 //!   runs the block needs are `pread` straight into place. Filtered chunks:
-//!   the stored bytes are read whole and decoded by [`crate::filter`] on the
+//!   the stored bytes are read whole and decoded by [`stoker_decode::filter`] on the
 //!   calling worker thread, outside the lock, and kept in the node-wide
 //!   [`ChunkCache`] for the chunk's other samples. Never-written chunks
 //!   produce the fill value;
@@ -31,7 +31,7 @@ use hdf5_sys::h5::{haddr_t, hsize_t};
 use stoker_proto::DType;
 
 use crate::cache::{CacheCtx, Key, NEVER, Uses};
-use crate::filter::{self, FilterSpec};
+use stoker_decode::filter::{self, FilterSpec};
 
 /// How a field's bytes are found.
 #[derive(Debug)]

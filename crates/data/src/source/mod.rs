@@ -4,6 +4,7 @@
 
 pub mod hdf5;
 pub mod lmdb;
+pub mod transformed;
 
 use std::path::PathBuf;
 
@@ -36,7 +37,15 @@ impl FieldSpec {
     }
 }
 
-pub use crate::ring::FieldOut;
+/// Where a source writes one field of one row.
+#[derive(Debug)]
+pub struct FieldOut<'a> {
+    /// The row's bytes: exactly one sample for fixed-shape fields; for a
+    /// ragged field, room for the largest sample allowed (the values go first).
+    pub data: &'a mut [u8],
+    /// For a ragged field, the row's shape, to be filled in (one entry per dimension).
+    pub shape: Option<&'a mut [u64]>,
+}
 
 /// Which sample to produce, and the context that randomized steps are keyed by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

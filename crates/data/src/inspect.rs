@@ -748,7 +748,7 @@ mod tests {
         // The suggestion is a valid dataset table.
         let mut ds = ds.as_table().unwrap().clone();
         assert_eq!(ds.remove("format").and_then(|f| f.as_str().map(String::from)).as_deref(), Some("hdf5"));
-        let config: crate::config::Hdf5DatasetConfig = ds.try_into().unwrap_or_else(|e| panic!("{e}: {table}"));
+        let config: stoker_proto::Hdf5Dataset = ds.try_into().unwrap_or_else(|e| panic!("{e}: {table}"));
         assert_eq!(config.time_only.len(), 2);
     }
 

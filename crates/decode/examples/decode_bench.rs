@@ -1,5 +1,5 @@
 //! Single-threaded decode time per image, for choosing the image decoders:
-//! JPEG with libjpeg-turbo (what stoker ships, `stoker_daemon::libjpeg`)
+//! JPEG with libjpeg-turbo (what stoker ships, `stoker_decode::libjpeg`)
 //! against zune-jpeg, and PNG with the `png` crate (what stoker ships) against
 //! zune-png. Reads every `*.jpg` / `*.png` in the directory given (written
 //! by `benches/decoders.py`, which runs this and reports the table).
@@ -13,7 +13,7 @@ use std::io::Cursor;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use stoker_daemon::libjpeg;
+use stoker_decode::libjpeg;
 use zune_core::bit_depth::ByteEndian;
 use zune_core::bytestream::ZCursor;
 use zune_core::colorspace::ColorSpace;

@@ -348,15 +348,15 @@ pub type SampleCache = Cache<Decoded>;
 #[derive(Debug)]
 pub struct Decoded {
     /// Its dtype and shape.
-    pub info: crate::codec::ArrayInfo,
+    pub info: stoker_decode::codec::ArrayInfo,
     /// Its bytes, aligned as decoders leave them.
-    pub data: crate::codec::AlignedBuf,
+    pub data: stoker_decode::codec::AlignedBuf,
 }
 
 impl Decoded {
     /// A copy of `bytes` laid out as `info`.
-    pub fn copy_of(info: &crate::codec::ArrayInfo, bytes: &[u8]) -> Decoded {
-        let mut data = crate::codec::AlignedBuf::new();
+    pub fn copy_of(info: &stoker_decode::codec::ArrayInfo, bytes: &[u8]) -> Decoded {
+        let mut data = stoker_decode::codec::AlignedBuf::new();
         data.resize(bytes.len()).copy_from_slice(bytes);
         Decoded { info: info.clone(), data }
     }

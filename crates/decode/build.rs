@@ -1,19 +1,9 @@
-//! Compiles the C shims: the one that runs LMDB's map reads under a
-//! SIGBUS/SIGSEGV guard (see `src/source/lmdb/guard.rs`), linked against the
-//! LMDB that `lmdb-master-sys` compiles, and the JPEG decoder over
-//! libjpeg-turbo's libjpeg API (see `src/codec/image.rs`), linked against
-//! the system's libjpeg-turbo (Debian: `libjpeg62-turbo-dev`).
+//! Compiles the C shim of the JPEG decoder over libjpeg-turbo's libjpeg API
+//! (see `src/libjpeg.rs`), linked against the system's libjpeg-turbo
+//! (Debian: `libjpeg62-turbo-dev`).
 
 fn main() {
-    println!("cargo::rerun-if-changed=csrc/lmdb_guard.c");
     println!("cargo::rerun-if-changed=csrc/jpeg_turbo.c");
-    cc::Build::new()
-        .file("csrc/lmdb_guard.c")
-        .flag_if_supported("-Wall")
-        .flag_if_supported("-Wextra")
-        .flag_if_supported("-Wno-unused-parameter")
-        .compile("stoker_lmdb_guard");
-
     // libjpeg-turbo 1.5 added jpeg_crop_scanline / jpeg_skip_scanlines; IJG's
     // libjpeg (versions 6b–9f, same pkg-config name) has neither.
     let jpeg = match pkg_config::Config::new().range_version("1.5".."5").cargo_metadata(false).probe("libjpeg") {

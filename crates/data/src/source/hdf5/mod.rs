@@ -20,6 +20,7 @@
 //! again on their next read, after checking they are still the same file.
 //! A file that changes while served fails its reads with an error naming it.
 
+#[allow(unsafe_code)] // calls libhdf5 (H5D/H5T/H5P) directly where the `hdf5` crate has no safe API
 pub(crate) mod field;
 
 use std::fs::File;
@@ -28,7 +29,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 
 use hdf5::types::{FloatSize, IntSize, TypeDescriptor};
-use stoker_proto::{DType, Hdf5Sampling};
+use stoker_proto::{DType, Hdf5Dataset, Hdf5Sampling};
 
 use self::field::FieldReader;
 use super::{FieldOut, FieldSpec, SampleRef, Source, SourceError};
@@ -65,6 +66,23 @@ pub struct Hdf5Spec {
     /// max_sample_bytes`): any read of such a field decodes its chunk whole,
     /// so a small file could otherwise make every worker allocate 4 GiB.
     pub max_chunk_bytes: u64,
+}
+
+impl Hdf5Spec {
+    /// The source spec of a dataset description (checked by
+    /// [`Hdf5Dataset::problems`]); `max_chunk_bytes` unbounded until the
+    /// caller sets its limit.
+    pub fn from_dataset(ds: &Hdf5Dataset, fast_path: bool) -> Hdf5Spec {
+        Hdf5Spec {
+            files: ds.files.clone(),
+            fields: ds.fields.0.clone(),
+            window: ds.window.map(|w| Window { size: w.size(), stride: w.stride }),
+            per_item: ds.per_item.clone(),
+            fast_path,
+            sampling: ds.sampling(),
+            max_chunk_bytes: u64::MAX,
+        }
+    }
 }
 
 /// What a field delivers for one sample.

@@ -13,8 +13,8 @@ use heed::{CommitOrAbort, Database, EnvFlags, EnvOpenOptions};
 use stoker_proto::DType;
 
 use super::*;
-use crate::codec::RawLayout;
-use crate::transform::Filter;
+use stoker_decode::codec::RawLayout;
+use stoker_decode::transform::Filter;
 
 /// Bytes of one fixed-shape sample of `f`.
 fn bytes_of(f: &FieldSpec) -> usize {

@@ -1,12 +1,14 @@
 //! Which dataset a stream reads: resolves a client's [`DatasetRef`] (a name
 //! from the config, or an ad-hoc HDF5 or LMDB description) into an open
 //! [`Source`]. Ad-hoc files are opened by handle beneath `allowed_roots` with
-//! the client's rights ([`crate::fsaccess`]); named ones with the daemon's.
+//! the client's rights ([`stoker_data::fsaccess`]); named ones with the daemon's.
 //! Opened sources are shared by later streams while their files are
 //! unchanged (same device, inode, size and mtime, checked on every open) and
 //! closed once no stream has used them for `[limits] idle_close_s` (and beyond
 //! the [`KEEP_IDLE`] most recently used idle ones), which releases the files
 //! and their HDF5 locks.
+
+pub mod check;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -17,15 +19,15 @@ use stoker_proto::{
     DatasetInfo, DatasetRef, DatasetStatus, ErrorKind, FieldTransforms, Generation, LmdbDataset, Rescan, TransformDef,
 };
 
-use crate::cache::{CacheCtx, Caches};
-use crate::codec::{Codec, Convert, RawLayout};
-use crate::config::{DatasetConfig, Hdf5DatasetConfig, Settings};
-use crate::fsaccess::{self, AccessError, CheckedLmdb, FileId, Peer, Rights, Want};
-use crate::source::hdf5::{self, Hdf5Source, Hdf5Spec, OpenFiles, Window};
-use crate::source::lmdb::{KeyFilter, LmdbField, LmdbSource, LmdbSpec, OnError};
-use crate::source::{Source, SourceError};
-use crate::transform::transformed::{FieldChain, Transformed};
-use crate::transform::{Filter, Pair, Step};
+use crate::config::{DatasetConfig, Settings};
+use stoker_data::cache::{CacheCtx, Caches};
+use stoker_data::fsaccess::{self, AccessError, FileId, Peer, Rights, Want};
+use stoker_data::source::hdf5::{self, Hdf5Source, Hdf5Spec, OpenFiles};
+use stoker_data::source::lmdb::{CheckedLmdb, KeyFilter, LmdbField, LmdbSource, LmdbSpec, OnError};
+use stoker_data::source::transformed::{FieldChain, Transformed};
+use stoker_data::source::{Source, SourceError};
+use stoker_decode::codec::{Codec, Convert, RawLayout};
+use stoker_decode::transform::{Filter, Pair, Step};
 
 /// Idle sources (no open stream) kept open for the next stream that wants them.
 pub const KEEP_IDLE: usize = 16;
@@ -152,7 +154,7 @@ impl Datasets {
         let mut ids = files.ids();
         ids.extend(stats_ids);
         let rescan = rescan == Rescan::Epoch;
-        let fingerprint = crate::cache::fingerprint(&(&key, &ids));
+        let fingerprint = stoker_data::cache::fingerprint(&(&key, &ids));
         self.caches.futures.label(fingerprint, &label);
         let cache = CacheCtx { caches: self.caches.clone(), dataset: fingerprint };
         // A poisoned source (its file found truncated or corrupt) is opened afresh.
@@ -242,11 +244,8 @@ impl Datasets {
                     name: name.clone(),
                     format: "hdf5".into(),
                     files: ds.files.clone(),
-                    fields: ds.fields.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-                    window: ds.window.map(|w| {
-                        let w = w.window();
-                        (w.size, w.stride)
-                    }),
+                    fields: ds.fields.0.clone(),
+                    window: ds.window.map(|w| (w.size(), w.stride)),
                     per_item: ds.per_item.clone(),
                     skipped: skipped(name),
                 },
@@ -311,7 +310,11 @@ impl Datasets {
             DatasetRef::Named(name) => match settings.datasets.get(name) {
                 Some(DatasetConfig::Hdf5(ds)) => {
                     let chains = field_chains(&ds.field_transforms()).map_err(|e| (ErrorKind::Dataset, e))?;
-                    Ok((name.clone(), Resolved::Hdf5(self.hdf5_named(ds), chains), ds.rescan))
+                    Ok((
+                        name.clone(),
+                        Resolved::Hdf5(Hdf5Spec::from_dataset(ds, settings.hdf5_fast_path), chains),
+                        ds.rescan,
+                    ))
                 }
                 Some(DatasetConfig::Lmdb(ds)) => Ok((name.clone(), Resolved::Lmdb(lmdb_spec(ds, None)?), ds.rescan)),
                 None => {
@@ -324,28 +327,20 @@ impl Datasets {
                     ))
                 }
             },
-            DatasetRef::Hdf5 { files, fields, window, per_item, sampling, transforms, rescan } => {
+            DatasetRef::Hdf5(ds) => {
                 self.check_ad_hoc()?;
-                if !Path::new(files).is_absolute() {
-                    return Err((ErrorKind::Dataset, format!("ad-hoc dataset path {files:?} must be absolute")));
-                }
-                if fields.is_empty() {
-                    return Err((ErrorKind::Dataset, format!("ad-hoc dataset {files:?} has no fields")));
-                }
-                if let Some(dup) = duplicate(fields.iter().map(|(n, _)| n.as_str())) {
+                if let Some(dup) = duplicate(ds.fields.0.iter().map(|(n, _)| n.as_str())) {
                     return Err((ErrorKind::Dataset, format!("field {dup:?} is given twice")));
                 }
-                let spec = Hdf5Spec {
-                    files: files.clone(),
-                    fields: fields.clone(),
-                    window: window.map(|(size, stride)| Window { size, stride }),
-                    per_item: per_item.clone(),
-                    fast_path: self.settings().hdf5_fast_path,
-                    sampling: sampling.as_ref().clone(),
-                    max_chunk_bytes: u64::MAX,
-                };
-                let chains = field_chains(transforms).map_err(|e| (ErrorKind::Dataset, e))?;
-                Ok((files.clone(), Resolved::Hdf5(spec, chains), *rescan))
+                if let Some(p) = ds.problems().into_iter().next() {
+                    return Err((ErrorKind::Dataset, format!("ad-hoc dataset {:?}: {}", ds.files, p.message)));
+                }
+                let chains = field_chains(&ds.field_transforms()).map_err(|e| (ErrorKind::Dataset, e))?;
+                Ok((
+                    ds.files.clone(),
+                    Resolved::Hdf5(Hdf5Spec::from_dataset(ds, settings.hdf5_fast_path), chains),
+                    ds.rescan,
+                ))
             }
             DatasetRef::Lmdb(ds) => {
                 self.check_ad_hoc()?;
@@ -365,10 +360,6 @@ impl Datasets {
             ));
         }
         Ok(())
-    }
-
-    fn hdf5_named(&self, ds: &Hdf5DatasetConfig) -> Hdf5Spec {
-        ds.spec(self.settings().hdf5_fast_path)
     }
 }
 
@@ -610,21 +601,21 @@ pub fn load_stats<'a>(
         let Step::NormalizeFrom { stats, key } = step else { continue };
         let bad = |message: String| SourceError::Spec { pattern: stats.clone(), message };
         let opened = fsaccess::open(Path::new(stats.as_str()), roots, Want::File)?;
-        if opened.id.size > crate::transform::stats::MAX_STATS_BYTES {
+        if opened.id.size > stoker_decode::transform::stats::MAX_STATS_BYTES {
             return Err(bad(format!(
                 "the statistics file has {} bytes, more than {}; is it the right file?",
                 opened.id.size,
-                crate::transform::stats::MAX_STATS_BYTES
+                stoker_decode::transform::stats::MAX_STATS_BYTES
             )));
         }
         let mut text = String::new();
         opened
             .file
-            .take(crate::transform::stats::MAX_STATS_BYTES)
+            .take(stoker_decode::transform::stats::MAX_STATS_BYTES)
             .read_to_string(&mut text)
             .map_err(|e| bad(format!("cannot read the statistics file: {e}")))?;
         ids.push(opened.id);
-        *step = crate::transform::stats::normalize_step(&text, stats, key).map_err(bad)?;
+        *step = stoker_decode::transform::stats::normalize_step(&text, stats, key).map_err(bad)?;
     }
     Ok(ids)
 }

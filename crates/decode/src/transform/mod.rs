@@ -19,7 +19,6 @@
 mod nd;
 mod resize;
 pub mod stats;
-pub mod transformed;
 
 use stoker_proto::DType;
 

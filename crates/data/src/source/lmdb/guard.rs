@@ -1,6 +1,6 @@
 //! Guarded access to an LMDB environment's memory map: every LMDB call that
 //! reads the map (transaction begin, lookups, cursor steps, copying a value
-//! out) runs in the C shim `daemon/csrc/lmdb_guard.c` under `sigsetjmp`, so a
+//! out) runs in the C shim `crates/data/csrc/lmdb_guard.c` under `sigsetjmp`, so a
 //! SIGBUS (the file shrank under the map) or SIGSEGV (a corrupt page points
 //! outside it) becomes a [`GuardError::Corrupt`] for that read, and the
 //! environment is poisoned: later reads fail at once with the same message.
@@ -38,7 +38,7 @@ const MDB_NOSUBDIR: c_uint = 0x4000;
 const MDB_NOLOCK: c_uint = 0x40_0000;
 const MDB_NORDAHEAD: c_uint = 0x80_0000;
 
-// The shim's functions (daemon/csrc/lmdb_guard.c). Each returns 0, an LMDB
+// The shim's functions (crates/data/csrc/lmdb_guard.c). Each returns 0, an LMDB
 // error code, or one of the STOKER_* codes above.
 unsafe extern "C" {
     fn stoker_guard_install() -> c_int;

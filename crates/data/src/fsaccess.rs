@@ -125,33 +125,6 @@ pub struct Checked {
     pub id: FileId,
 }
 
-/// The files of an LMDB dataset, opened by handle beforehand.
-#[derive(Debug, Default)]
-pub struct CheckedLmdb {
-    /// Per environment path as the dataset names it: the identity of its data file.
-    pub envs: Vec<(PathBuf, FileId)>,
-    /// The key file's handle.
-    pub key_file: Option<File>,
-}
-
-impl CheckedLmdb {
-    /// Fails unless the environment LMDB opened for `path` (by name), whose
-    /// data file is (`dev`, `ino`), is the data file checked by handle: a
-    /// path swapped in between is refused.
-    pub fn check_env(&self, path: &Path, dev: u64, ino: u64) -> Result<(), crate::source::SourceError> {
-        let Some((_, want)) = self.envs.iter().find(|(p, _)| p == path) else {
-            return Ok(());
-        };
-        let err = |message: String| crate::source::SourceError::LmdbOpen { env: path.to_owned(), message };
-        if (dev, ino) != (want.dev, want.ino) {
-            return Err(err("is not the file checked a moment ago: it was replaced while being opened, or a \
-                 dataset opened before the replacement still holds the old one (close its Loaders and try again)"
-                .into()));
-        }
-        Ok(())
-    }
-}
-
 /// `/proc/self/fd/N` of an open file.
 pub fn fd_path(file: &impl AsRawFd) -> PathBuf {
     PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()))
@@ -427,6 +400,7 @@ fn reopen(path: &Path, opath: OwnedFd, want: Want, rights: bool) -> Result<(File
 /// The descriptors systemd passed this process (`LISTEN_FDS`, checked
 /// against `LISTEN_PID`), with their names (`LISTEN_FDNAMES`), owned; the
 /// variables are unset so children do not see them. Call once, at start.
+#[allow(unsafe_code)]
 pub fn listen_fds() -> Vec<(OwnedFd, String)> {
     let Ok(fds) = sd_notify::listen_fds_with_names(true) else { return Vec::new() };
     fds.map(|(fd, name)| {
