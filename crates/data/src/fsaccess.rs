@@ -25,6 +25,28 @@ pub struct Peer {
 }
 
 impl Peer {
+    /// The peer's groups, primary first: its supplementary groups from
+    /// `/proc/PID/status` when that process is still the peer's (same
+    /// effective uid: a pid may have been reused by another user's process
+    /// since it connected), else only its primary group. The one reader of
+    /// a peer's groups, for admission and for opening files with its rights.
+    pub fn groups(&self) -> Vec<u32> {
+        let mut groups = vec![self.gid];
+        if self.pid == 0 {
+            return groups;
+        }
+        let Ok(status) = std::fs::read_to_string(format!("/proc/{}/status", self.pid)) else {
+            return groups;
+        };
+        let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).map(str::split_whitespace);
+        let uid_matches =
+            field("Uid:").and_then(|mut ids| ids.nth(1)).and_then(|s| s.parse::<u32>().ok()) == Some(self.uid);
+        if uid_matches && let Some(list) = field("Groups:") {
+            groups.extend(list.filter_map(|g| g.parse::<u32>().ok()).filter(|g| *g != self.gid));
+        }
+        groups
+    }
+
     /// The daemon itself (for tests and for datasets named in the config).
     pub fn daemon() -> Peer {
         Peer {
@@ -205,7 +227,7 @@ pub fn with_rights<T: Send>(rights: Rights, f: impl FnOnce() -> T + Send) -> Res
     let Some(peer) = switch_to(rights) else {
         return Ok(f());
     };
-    let groups = client_groups(&peer);
+    let groups = peer.groups();
     std::thread::scope(|s| {
         let worker = std::thread::Builder::new()
             .name("stoker-open".into())
@@ -216,26 +238,6 @@ pub fn with_rights<T: Send>(rights: Rights, f: impl FnOnce() -> T + Send) -> Res
             .map_err(|e| AccessError::Rights { uid: peer.uid, message: format!("cannot start a thread: {e}") })?;
         worker.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))
     })
-}
-
-/// The client's supplementary groups: from `/proc/PID/status` when that
-/// process is still the client's, else only its primary group.
-fn client_groups(peer: &Peer) -> Vec<u32> {
-    let mut groups = vec![peer.gid];
-    if peer.pid == 0 {
-        return groups;
-    }
-    let Ok(status) = std::fs::read_to_string(format!("/proc/{}/status", peer.pid)) else {
-        return groups;
-    };
-    let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).map(str::split_whitespace);
-    // The pid may have been reused by another user's process since it connected.
-    let uid_matches =
-        field("Uid:").and_then(|mut ids| ids.nth(1)).and_then(|s| s.parse::<u32>().ok()) == Some(peer.uid);
-    if uid_matches && let Some(list) = field("Groups:") {
-        groups.extend(list.filter_map(|g| g.parse::<u32>().ok()).filter(|g| *g != peer.gid));
-    }
-    groups
 }
 
 #[allow(unsafe_code)]

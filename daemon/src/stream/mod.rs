@@ -32,23 +32,22 @@
 
 use std::any::Any;
 use std::collections::VecDeque;
-use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 use stoker_proto::ctrl::{Publisher, RECORDS, Record, RecordKind};
-use stoker_proto::{BatchLayout, FIELD_ALIGN, Generation, LayoutLimits, StreamStatus};
+use stoker_proto::{BatchLayout, Generation, LayoutLimits, StreamStatus};
 
 pub mod budget;
 pub mod counters;
+mod fill;
 
 use crate::ring::{ControlPage, Ring};
 pub use budget::{Budget, Reservation};
-use counters::{DatasetCounters, Timer};
+use counters::DatasetCounters;
 use stoker_data::sampler::Sampler;
-use stoker_data::source::{SampleRef, Source, SourceError};
+use stoker_data::source::Source;
 
 /// Rows below which a batch is not split further across workers.
 const MIN_ROWS_PER_TASK: u64 = 8;
@@ -179,17 +178,6 @@ enum SlotState {
     Leased,
     /// An extra slot id whose segment was destroyed (the id may be reused).
     Absent,
-}
-
-/// What producing one batch came to.
-#[derive(Debug, Default)]
-struct Outcome {
-    /// The first error, naming file, field and index.
-    error: Option<String>,
-    /// Per field, the largest value that did not fit its ragged row (0: none).
-    oversize: Vec<u64>,
-    /// The first oversize message, for an error if no bigger slot can be had.
-    oversize_message: Option<String>,
 }
 
 /// An extra segment's memfd and layout, for `Request::Segment`.
@@ -586,284 +574,6 @@ impl Stream {
         let st = self.lock();
         let seg = st.slots.get(slot as usize)?.segment.as_ref()?;
         Some(SegmentInfo { ring: seg.ring.clone(), generation: seg.generation })
-    }
-
-    /// Creates an extra one-slot segment of `layout` within both budgets and
-    /// returns its slot id.
-    fn grow(&self, st: &mut State, layout: &BatchLayout, oversize: bool) -> Result<usize, String> {
-        let bytes = layout
-            .checked_ring_bytes(1)
-            .ok_or_else(|| format!("a slot of {} bytes does not fit in memory", layout.slot_bytes))?;
-        let [client, daemon] = &self.shm.budgets;
-        let mine = client.reserve(bytes).map_err(|used| {
-            format!(
-                "another slot of {bytes} bytes would exceed this client's shared-memory budget ({used} of {} bytes \
-                 in use, [limits] max_ring_bytes_per_client)",
-                client.limit()
-            )
-        })?;
-        let ours = daemon.reserve(bytes).map_err(|used| {
-            format!(
-                "another slot of {bytes} bytes would exceed the daemon's memory budget ({used} of {} bytes in use, \
-                 [limits] max_memory_bytes)",
-                daemon.limit()
-            )
-        })?;
-        let ring = Ring::create(&format!("stoker-stream-{}-extra", self.meta.id), layout, 1)
-            .map_err(|e| format!("cannot create shared memory of {bytes} bytes: {e}"))?;
-        let generation = st.next_segment;
-        st.next_segment = st.next_segment.wrapping_add(1).max(1);
-        let segment = Some(Segment { ring, generation, oversize, _reserved: [mine, ours] });
-        let id = match st.slots.iter().position(|s| s.state == SlotState::Absent) {
-            Some(id) => id,
-            None => {
-                st.slots.push(Slot { state: SlotState::Absent, segment: None });
-                st.slots.len() - 1
-            }
-        };
-        st.slots[id] = Slot { state: SlotState::Free, segment };
-        Ok(id)
-    }
-
-    /// Starts fills for the next steps while slots can be had.
-    fn fill(self: &Arc<Self>, st: &mut State) {
-        let batches = self.sampler().batches_per_epoch();
-        let depth = self.shm.ring.depth() as usize;
-        while !st.closed && batches > 0 {
-            // Read ahead `depth` batches, no more: extra slots are for what
-            // the client holds, not for deeper prefetch (so they come back).
-            let running = st
-                .slots
-                .iter()
-                .filter(|s| matches!(s.state, SlotState::Filling { .. } | SlotState::Ready { .. }))
-                .count();
-            if running.saturating_add(self.untaken_batches(st).0 as usize) >= depth {
-                return;
-            }
-            // Standard slots first, then extras of the standard layout.
-            let free = st.slots.iter().enumerate().position(|(id, s)| {
-                s.state == SlotState::Free && (id < depth || s.segment.as_ref().is_some_and(|seg| !seg.oversize))
-            });
-            let slot = match free {
-                Some(slot) => slot,
-                None => {
-                    let busy =
-                        st.slots.iter().any(|s| matches!(s.state, SlotState::Filling { .. } | SlotState::Ready { .. }));
-                    let untaken = st.publisher.untaken(self.shm.control.control());
-                    if busy || untaken > 0 || st.exhausted.is_some() {
-                        // The client has batches to take or fills are running: wait for it.
-                        return;
-                    }
-                    // The client holds every slot: grow, or say it cannot.
-                    match self.grow(st, &self.shm.ring.layout().clone(), false) {
-                        Ok(slot) => slot,
-                        Err(why) => {
-                            tracing::debug!(stream = self.meta.id, %why, "cannot grow the ring");
-                            let record = Record {
-                                kind: RecordKind::Exhausted,
-                                slot: 0,
-                                segment: 0,
-                                epoch: st.epoch,
-                                step: st.next_deliver,
-                                rows: 0,
-                            };
-                            if st.publisher.has_room(self.shm.control.control()) {
-                                st.exhausted = Some(self.publish_record(st, record));
-                            }
-                            return;
-                        }
-                    }
-                }
-            };
-            if st.next_produce >= batches {
-                if self.meta.rescan {
-                    // The next epoch's files are matched at its `set_epoch`.
-                    return;
-                }
-                st.produce_epoch += 1;
-                st.next_produce = 0;
-            }
-            let step = st.next_produce;
-            if !self.spawn_fill(st, slot, st.produce_epoch, step) {
-                return;
-            }
-            st.next_produce += 1;
-        }
-    }
-
-    /// Starts filling slot `id` with batch `step` of `epoch`. False if a
-    /// discarded fill still holds the slot (its completion frees the slot
-    /// and fills again).
-    fn spawn_fill(self: &Arc<Self>, st: &mut State, id: usize, epoch: u64, step: u64) -> bool {
-        let rows = self.sampler().rows(step);
-        let (ring, index) = self.ring_of(st, id);
-        let Some(writer) = ring.writer(index, 0..rows) else {
-            return false;
-        };
-        st.slots[id].state = SlotState::Filling { generation: st.generation, epoch, step };
-        self.sync_cursor(st);
-        let generation = st.generation;
-        let stream = self.clone();
-        let parts = self.pool.current_num_threads();
-        self.pool.spawn(move || {
-            // Backstop: a panic outside the per-sample guard in `produce`.
-            let produced = catch_unwind(AssertUnwindSafe(|| stream.produce(writer, parts, epoch, generation, step)));
-            let outcome = produced.unwrap_or_else(|payload| {
-                let why = panic_message(&*payload);
-                tracing::error!(stream = stream.meta.id, dataset = %stream.meta.dataset, epoch, step, %why, "batch fill panicked");
-                Outcome {
-                    error: Some(format!(
-                        "dataset {}: producing batch {step} of epoch {epoch} failed inside the daemon (a bug: {why}); \
-                         the batch is skipped and the stream goes on — please report this with the daemon's log",
-                        stream.meta.dataset
-                    )),
-                    ..Outcome::default()
-                }
-            });
-            stream.complete(id, generation, epoch, step, rows, outcome);
-        });
-        true
-    }
-
-    /// Fills one batch; runs on the worker pool.
-    fn produce(
-        &self,
-        writer: crate::ring::SlotWriter,
-        parts: usize,
-        epoch: u64,
-        generation: u64,
-        step: u64,
-    ) -> Outcome {
-        // The source and sampler this fill's generation was started with.
-        let (source, sampler) = {
-            let st = self.lock();
-            if st.closed || st.generation != generation {
-                return Outcome::default();
-            }
-            (self.source(), self.sampler())
-        };
-        let perm = sampler.permutation(epoch);
-        let seed = sampler.seed();
-        let failure = Mutex::new(None::<String>);
-        let nfields = source.fields().len();
-        let oversize = Mutex::new((vec![0u64; nfields], None::<String>));
-        let busy = AtomicU64::new(0);
-        writer.split(parts, MIN_ROWS_PER_TASK).into_par_iter().for_each(|mut part| {
-            let _timer = Timer::new(&busy);
-            for row in part.rows() {
-                let index = sampler.index(perm.as_ref(), step, row);
-                let sample = SampleRef { index, seed, epoch };
-                let read = catch_unwind(AssertUnwindSafe(|| source.read_sample(sample, &mut part.row_mut(row))));
-                let error = match read {
-                    Ok(Ok(())) => continue,
-                    Ok(Err(SourceError::Oversize { field, bytes, message })) if field < nfields => {
-                        // Measure the rest of the batch: it is produced again in a slot sized for it.
-                        let mut big = oversize.lock().unwrap_or_else(|e| e.into_inner());
-                        big.0[field] = big.0[field].max(bytes);
-                        big.1.get_or_insert(message);
-                        continue;
-                    }
-                    Ok(Err(e)) => {
-                        tracing::warn!(stream = self.meta.id, error = %e, "batch failed");
-                        e.to_string()
-                    }
-                    Err(payload) => {
-                        let why = panic_message(&*payload);
-                        let fields: Vec<&str> = source.fields().iter().map(|f| f.name.as_str()).collect();
-                        tracing::error!(stream = self.meta.id, dataset = %self.meta.dataset, index, %why, "reading a sample panicked");
-                        format!(
-                            "dataset {}: reading sample {index} (fields {fields:?}, epoch {epoch}, batch {step}) failed \
-                             inside the daemon (a bug: {why}); the batch is skipped and the stream goes on — please \
-                             report this with the daemon's log",
-                            self.meta.dataset
-                        )
-                    }
-                };
-                failure.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(error);
-                return;
-            }
-        });
-        self.meta.counters.filled(Duration::from_nanos(busy.into_inner()));
-        let (oversize, oversize_message) = oversize.into_inner().unwrap_or_else(|e| e.into_inner());
-        Outcome { error: failure.into_inner().unwrap_or_else(|e| e.into_inner()), oversize, oversize_message }
-    }
-
-    fn complete(self: &Arc<Self>, id: usize, generation: u64, epoch: u64, step: u64, rows: u64, outcome: Outcome) {
-        let mut st = self.lock();
-        let current = st.generation == generation && !st.closed;
-        if !current {
-            // An extra whose segment is gone (oversized, or the stream closed) stays gone.
-            let extra = id >= self.shm.ring.depth() as usize;
-            let keep = st.slots[id].segment.as_ref().is_some_and(|s| !s.oversize);
-            st.slots[id] = if extra && !keep {
-                Slot { state: SlotState::Absent, segment: None }
-            } else {
-                Slot { state: SlotState::Free, segment: st.slots[id].segment.take() }
-            };
-            self.advance(&mut st);
-            return;
-        }
-        let Outcome { mut error, oversize, oversize_message } = outcome;
-        if error.is_none() && oversize.iter().any(|&b| b > 0) {
-            st.slots[id].state = SlotState::Free;
-            if st.slots[id].segment.as_ref().is_some_and(|s| s.oversize) {
-                st.slots[id] = Slot { state: SlotState::Absent, segment: None };
-            }
-            match self.oversize_layout(&oversize).and_then(|layout| self.grow(&mut st, &layout, true)) {
-                Ok(big) if self.spawn_fill(&mut st, big, epoch, step) => {
-                    tracing::debug!(stream = self.meta.id, epoch, step, "batch produced again in a slot of its own");
-                    return;
-                }
-                Ok(_) => error = Some("a fresh segment was already claimed (a bug)".to_string()),
-                Err(why) => {
-                    error = Some(format!("{}; {why}", oversize_message.unwrap_or_default()));
-                }
-            }
-        }
-        // No writer holds the slot any more: its shape table is final.
-        let bytes = if error.is_none() {
-            let (ring, index) = self.ring_of(&st, id);
-            ring.batch_bytes(index, rows)
-        } else {
-            0
-        };
-        self.meta.counters.completed(bytes, error.is_some());
-        st.slots[id].state = SlotState::Ready { generation, epoch, step, rows, error };
-        self.sync_cursor(&st);
-        self.advance(&mut st);
-    }
-
-    /// Puts the cache cursor at the oldest batch a fill of this generation is
-    /// still producing (fills run concurrently and finish out of order: the
-    /// chunks the oldest reads are needed now, not next epoch), or at the next
-    /// batch to produce when none runs.
-    fn sync_cursor(&self, st: &State) {
-        let Some(cursor) = &self.meta.cursor else { return };
-        let oldest = st
-            .slots
-            .iter()
-            .filter_map(|s| match s.state {
-                SlotState::Filling { generation, epoch, step } if generation == st.generation => Some((epoch, step)),
-                _ => None,
-            })
-            .min()
-            .unwrap_or((st.produce_epoch, st.next_produce));
-        cursor.set(oldest.0, oldest.1);
-    }
-
-    /// The stream's layout with the ragged rooms `oversize` asks for.
-    fn oversize_layout(&self, oversize: &[u64]) -> Result<BatchLayout, String> {
-        let layout = self.shm.ring.layout();
-        let source = self.source();
-        let decls = source.fields().iter().zip(oversize).map(|(f, &need)| {
-            let mut decl = f.decl();
-            if need > 0 {
-                let room = need.checked_next_multiple_of(FIELD_ALIGN).unwrap_or(need);
-                decl.max_sample_bytes = Some(decl.max_sample_bytes.unwrap_or(0).max(room));
-            }
-            decl
-        });
-        BatchLayout::new(layout.batch_size, decls, &self.shm.limits).map_err(|e| e.to_string())
     }
 
     /// Publishes, in step order, everything that is ready. Returns true when

@@ -7,7 +7,7 @@ use stoker_proto::{DType, LayoutLimits};
 use std::sync::atomic::Ordering;
 
 use super::*;
-use stoker_data::source::{FieldOut, FieldSpec};
+use stoker_data::source::{FieldOut, FieldSpec, SampleRef, Source, SourceError};
 
 /// One scalar u64 field: each source below writes the sample's index into it.
 fn u64_field() -> FieldSpec {

@@ -1,0 +1,340 @@
+//! The files of an HDF5 dataset: glob expansion under the client's rights,
+//! checked opens by handle, the bounded set of open libhdf5 handles shared by
+//! every reader, and the check that a file did not change under a stream.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
+
+use self::field::FieldReader;
+use crate::fsaccess::{self, FileId, Want};
+use crate::source::{FieldSpec, SourceError};
+
+use super::*;
+
+/// One file of a dataset: what it is, and its handles while open.
+#[derive(Debug)]
+pub(super) struct Hdf5File {
+    /// The path as matched (for messages).
+    pub(super) path: PathBuf,
+    /// Where it was opened (no symlinks), and beneath which allowed root.
+    pub(super) canonical: PathBuf,
+    pub(super) root: Option<PathBuf>,
+    /// Its identity when the dataset was opened.
+    pub(super) id: FileId,
+    /// Chunk-cache ids of its fields, kept across reopens.
+    pub(super) cache_ids: Vec<u64>,
+    /// Samples per item (1 without a window).
+    pub(super) windows: u64,
+    /// Steps along axis 1 of its windowed fields (0 without a window).
+    pub(super) steps: u64,
+    /// `None` while closed to bound open files.
+    pub(super) handle: RwLock<Option<Arc<OpenHdf5>>>,
+    /// When it was last read (to within [`USE_GRAIN_US`]), in µs since [`EPOCH`].
+    pub(super) used: AtomicU64,
+    /// When its size and mtime were last checked, in µs since [`EPOCH`].
+    pub(super) checked_us: AtomicU64,
+}
+
+/// Reads of one file check it for changes at most this often (an `fstat`
+/// per sample would cost as much as reading a small sample).
+pub(super) const CHANGE_CHECK_US: u64 = 1_000;
+
+/// Reads record that a file was used at most this often (no shared write per sample).
+pub(super) const USE_GRAIN_US: u64 = 1_000;
+
+/// The origin of `checked_us` and `used`.
+pub(super) static EPOCH: std::sync::LazyLock<std::time::Instant> = std::sync::LazyLock::new(std::time::Instant::now);
+
+pub(super) fn now_us() -> u64 {
+    u64::try_from(EPOCH.elapsed().as_micros()).unwrap_or(u64::MAX).max(1)
+}
+
+/// The handles of an open file.
+#[derive(Debug)]
+pub(super) struct OpenHdf5 {
+    /// Keeps the HDF5 file open while the readers use it.
+    _h5: hdf5::File,
+    pub(super) raw: File,
+    pub(super) fields: Vec<FieldReader>,
+}
+
+impl Hdf5File {
+    pub(super) fn close(&self) {
+        self.handle.write().unwrap_or_else(PoisonError::into_inner).take();
+    }
+
+    pub(super) fn touch(&self) {
+        let now = now_us();
+        if now.saturating_sub(self.used.load(Ordering::Relaxed)) >= USE_GRAIN_US {
+            self.used.store(now, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Bounds the HDF5 files open at once across every dataset of the daemon
+/// (each holds two descriptors and libhdf5's caches): opening one more
+/// closes the least recently read.
+#[derive(Debug)]
+pub struct OpenFiles {
+    pub(super) max: usize,
+    pub(super) open: Mutex<Vec<Weak<Hdf5File>>>,
+}
+
+impl OpenFiles {
+    /// At most `max` files open (at least 1).
+    pub fn new(max: usize) -> Arc<OpenFiles> {
+        Arc::new(OpenFiles { max: max.max(1), open: Mutex::new(Vec::new()) })
+    }
+
+    /// Files open now.
+    pub fn count(&self) -> usize {
+        let open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        open.iter().filter(|w| w.strong_count() > 0).count()
+    }
+
+    /// Closes the open handles of files that have `id`'s device and inode but
+    /// not its size or mtime: they were changed since they were opened.
+    pub(super) fn close_changed(&self, id: &FileId) {
+        let stale: Vec<Arc<Hdf5File>> = {
+            let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+            let is_stale = |f: &Hdf5File| (f.id.dev, f.id.ino) == (id.dev, id.ino) && f.id != *id;
+            let stale = open.iter().filter_map(Weak::upgrade).filter(|f| is_stale(f)).collect();
+            open.retain(|w| w.upgrade().is_some_and(|f| !is_stale(&f)));
+            stale
+        };
+        for file in stale {
+            file.close();
+        }
+    }
+
+    /// Records that `file` was opened and closes the least recently read
+    /// beyond the bound. No file's handle lock is held while this runs.
+    pub(super) fn opened(&self, file: &Arc<Hdf5File>) {
+        file.used.store(now_us(), Ordering::Relaxed);
+        let me = Arc::downgrade(file);
+        let victims = {
+            let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+            open.retain(|w| w.strong_count() > 0);
+            if !open.iter().any(|w| w.ptr_eq(&me)) {
+                open.push(me.clone());
+            }
+            let mut victims = Vec::new();
+            while open.len() > self.max {
+                let oldest = open
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, w)| !w.ptr_eq(&me))
+                    .filter_map(|(i, w)| w.upgrade().map(|f| (f.used.load(Ordering::Relaxed), i)))
+                    .min();
+                let Some((_, i)) = oldest else { break };
+                victims.extend(open.swap_remove(i).upgrade());
+            }
+            victims
+        };
+        for victim in victims {
+            // Readers holding the handle keep it until they finish.
+            victim.close();
+        }
+    }
+}
+
+/// Lists the files of `spec`'s glob (sorted) and checks each by opening it by
+/// handle ([`fsaccess::open`]), beneath `allowed_roots` when given, then
+/// closes it again (a dataset may have more files than descriptors). Runs
+/// with the rights of whoever asked for the dataset ([`fsaccess::with_rights`]).
+pub fn check_files(spec: &Hdf5Spec, allowed_roots: Option<&[PathBuf]>) -> Result<Vec<fsaccess::Checked>, SourceError> {
+    let paths = expand(&spec.files, allowed_roots.is_some())?;
+    paths.iter().map(|p| Ok(fsaccess::open(p, allowed_roots, Want::File)?.close())).collect()
+}
+
+/// The files matching `pattern`, sorted. Glob sees only what the caller may
+/// list: when nothing matches because a directory is closed to the caller, or
+/// the pattern names one file, that file's open reports why.
+/// A file rewritten or appended to under a stream would deliver rows that
+/// are neither the old nor the new contents: fail instead, naming it.
+pub(super) fn check_unchanged(file: &Hdf5File, handle: &OpenHdf5) -> Result<(), SourceError> {
+    let now_us = now_us();
+    let last = file.checked_us.load(Ordering::Relaxed);
+    if last != 0 && now_us.saturating_sub(last) < CHANGE_CHECK_US {
+        return Ok(());
+    }
+    let changed = |message: String| SourceError::Changed { path: file.path.clone(), message };
+    let now = FileId::of(&handle.raw).map_err(|e| changed(format!("cannot be checked for changes: {e}")))?;
+    if let Some(change) = file.id.change(&now) {
+        return Err(changed(format!("{change} while being served; open a new Loader to read the new contents")));
+    }
+    file.checked_us.store(now_us, Ordering::Relaxed);
+    Ok(())
+}
+
+pub(super) fn expand(pattern: &str, client: bool) -> Result<Vec<PathBuf>, SourceError> {
+    let bad = |message: String| SourceError::BadGlob { pattern: pattern.to_string(), message };
+    let mut paths = Vec::new();
+    for entry in glob::glob(pattern).map_err(|e| bad(e.to_string()))? {
+        paths.push(entry.map_err(|e| bad(e.to_string()))?);
+    }
+    // Directories are not data; anything else that matches is opened and
+    // refused with a clear error if it is not a regular file (a FIFO).
+    paths.retain(|p| !p.is_dir());
+    paths.sort();
+    if paths.is_empty() {
+        let is_glob = |c: &std::path::Component<'_>| c.as_os_str().to_string_lossy().contains(['*', '?', '[']);
+        let literal: PathBuf = Path::new(pattern).components().take_while(|c| !is_glob(c)).collect();
+        if literal.as_os_str().len() == pattern.len() {
+            return Ok(vec![literal]);
+        }
+        if let Err(e) = std::fs::read_dir(&literal)
+            && e.kind() == std::io::ErrorKind::PermissionDenied
+        {
+            return Err(fsaccess::AccessError::io(&literal, e, client).into());
+        }
+        return Err(SourceError::NoFiles { pattern: pattern.to_string() });
+    }
+    Ok(paths)
+}
+
+/// Opens `raw` (the checked file at `path`) with libhdf5 and builds its
+/// readers: the handles, the field specs, the items, and the steps along
+/// axis 1 of the windowed fields (0 without a window). A window longer than
+/// those steps is refused, naming the file and field.
+pub(super) fn open_file(
+    path: &Path,
+    raw: File,
+    spec: &Hdf5Spec,
+    roles: &[Role],
+    geometry: Option<&Geometry>,
+    cache_ids: &[u64],
+) -> Result<(OpenHdf5, Vec<FieldSpec>, u64, u64), SourceError> {
+    let open_err = |message: String| SourceError::Open { path: path.to_owned(), message };
+    // libhdf5's default chunk cache is 1 MiB per dataset: reads of rows from a
+    // few different chunks in turn (parallel fills) would decompress whole
+    // chunks again for every row on the libhdf5 path. 16 MiB per dataset.
+    let h5 = hdf5::File::with_options()
+        .with_fapl(|fapl| fapl.chunk_cache(4093, 16 << 20, 0.75))
+        .open(fsaccess::fd_path(&raw))
+        .map_err(|e| open_err(e.to_string()))?;
+    let mut specs = Vec::with_capacity(spec.fields.len());
+    let mut readers = Vec::with_capacity(spec.fields.len());
+    // (length, field name) of the first field along axis 0, and along axis 1 for windowed fields.
+    let mut items: Option<(u64, &str)> = None;
+    let mut steps: Option<(u64, &str)> = None;
+    for (((name, h5path), &role), &cache_id) in spec.fields.iter().zip(roles).zip(cache_ids) {
+        let field_err = |message: String| SourceError::Inconsistent {
+            path: path.to_owned(),
+            field: name.clone(),
+            h5path: h5path.clone(),
+            message,
+        };
+        let dataset = field::open_own_dataset(&h5, h5path).map_err(|why| match why.explain() {
+            Some(message) => field_err(message),
+            None => SourceError::MissingField { path: path.to_owned(), field: name.clone(), h5path: h5path.clone() },
+        })?;
+        let shape: Vec<u64> = dataset.shape().iter().map(|&d| d as u64).collect();
+        let (len, rest) = match shape.split_first() {
+            _ if !role.has_item_axis() => (None, &shape[..]),
+            Some((&len, rest)) => (Some(len), rest),
+            None => {
+                return Err(field_err(
+                    "is a scalar; a field needs a first axis to index samples by (list it in constant to deliver \
+                     it whole with every sample)"
+                        .into(),
+                ));
+            }
+        };
+        match (items, len) {
+            (_, None) => {}
+            (None, Some(len)) => items = Some((len, name)),
+            (Some((first_len, first_name)), Some(len)) if first_len != len => {
+                return Err(field_err(format!(
+                    "has {len} items along the first axis but field {first_name:?} has {first_len}; \
+                     all fields of a dataset must have the same length in each file (list fields without \
+                     the item axis in constant)"
+                )));
+            }
+            (Some(_), Some(_)) => {}
+        }
+        let sample_shape = match role {
+            Role::Constant => shape.clone(),
+            Role::Item => rest.to_vec(),
+            Role::Steps { count, .. } => {
+                // `rest` follows the item axis; a time_only field's is its whole shape.
+                let axis = if rest.len() == shape.len() { 0 } else { 1 };
+                let Some((&time, trailing)) = rest.split_first() else {
+                    return Err(field_err(format!(
+                        "has shape {shape:?}; a windowed field needs a time axis (axis 1); list it in per_item \
+                         to deliver it whole per item, or in constant if it has no item axis either"
+                    )));
+                };
+                if let Some(g) = geometry.filter(|g| time < g.span) {
+                    return Err(field_err(window_too_long(g, time, spec.sampling.n_steps_input)));
+                }
+                match steps {
+                    None => steps = Some((time, name)),
+                    Some((first_time, first_name)) if first_time != time => {
+                        return Err(field_err(format!(
+                            "has {time} steps along axis {axis} (its time axis) but windowed field {first_name:?} has \
+                         {first_time}"
+                        )));
+                    }
+                    Some(_) => {}
+                }
+                std::iter::once(count).chain(trailing.iter().copied()).collect()
+            }
+        };
+        let file_type = dataset.dtype().map_err(|e| field_err(e.to_string()))?;
+        let (dtype, descriptor) = classify(&file_type).map_err(|found| SourceError::Dtype {
+            path: path.to_owned(),
+            field: name.clone(),
+            h5path: h5path.clone(),
+            found,
+        })?;
+        // Offsets into the dataset and the sample's size must fit in 64 bits
+        // (and in memory) before any of them is computed.
+        let sample_bytes = sample_shape.iter().try_fold(dtype.size() as u64, |acc: u64, &d| acc.checked_mul(d));
+        let total_bytes = shape.iter().try_fold(dtype.size() as u64, |acc: u64, &d| acc.checked_mul(d));
+        if sample_bytes.is_none_or(|b| b > isize::MAX as u64) || total_bytes.is_none() {
+            let what = if sample_bytes.is_none_or(|b| b > isize::MAX as u64) {
+                format!("one sample of {dtype} {sample_shape:?}")
+            } else {
+                format!("the whole dataset ({dtype} {shape:?})")
+            };
+            return Err(SourceError::Limit(format!(
+                "{}: field {name:?} ({h5path:?}) has shape {shape:?}: {what} takes more than 2^63 bytes; stoker cannot \
+                 serve it (check the file; [limits] max_sample_bytes bounds what a sample may take)",
+                path.display()
+            )));
+        }
+        if let Some(bytes) = field::decoded_chunk_bytes(&dataset, dtype.size())
+            && bytes > spec.max_chunk_bytes
+        {
+            let chunk = dataset.chunk().unwrap_or_default();
+            return Err(SourceError::Limit(format!(
+                "{}: field {name:?} ({h5path:?}) is stored in compressed chunks of {chunk:?} {dtype}, {bytes} bytes each \
+                 decoded, more than [limits] max_sample_bytes = {} bytes; every read decodes a whole chunk: rechunk \
+                 the dataset to smaller chunks (e.g. h5repack -l {h5path}:CHUNK=...), or ask the daemon's admin to \
+                 raise the limit",
+                path.display(),
+                spec.max_chunk_bytes
+            )));
+        }
+        let mem_type = mem_type(&file_type, &descriptor).map_err(|e| field_err(e.to_string()))?;
+        let reader =
+            FieldReader::new(dataset, dtype, &file_type, mem_type, cache_id, spec.fast_path).map_err(field_err)?;
+        specs.push(FieldSpec {
+            name: name.clone(),
+            origin: h5path.clone(),
+            dtype,
+            shape: sample_shape,
+            max_sample_bytes: None,
+        });
+        readers.push(reader);
+    }
+    let items = items.map_or(0, |(len, _)| len);
+    let steps = match steps {
+        Some((time, ..)) => time,
+        None => 0,
+    };
+    Ok((OpenHdf5 { _h5: h5, raw, fields: readers }, specs, items, steps))
+}

@@ -1,0 +1,300 @@
+//! The control server: accepts clients on the Unix socket, checks their uid
+//! with `SO_PEERCRED`, and serves each connection's requests on tokio. Opening
+//! datasets runs on the blocking pool; reading samples runs on the worker pool
+//! (see `stream`); this module only moves messages and fds.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::RwLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use stoker_proto::{ClientStatus, ErrorKind, Response};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::watch;
+use tracing::Instrument;
+
+use crate::config::Settings;
+use crate::dataset::Datasets;
+use crate::stream::{Budget, Stream};
+use stoker_data::cache::Caches;
+
+mod admission;
+use admission::Throttle;
+use frames::{read_frames, send_part};
+mod connection;
+mod frames;
+mod reports;
+
+use connection::serve_connection;
+/// An error reply: kind plus a message for the user.
+type Reply<T> = Result<T, (ErrorKind, String)>;
+
+/// How the daemon is asked to stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shutdown {
+    /// SIGTERM: stop accepting, tell every client `ShuttingDown`, give
+    /// connections `[server] shutdown_grace_s` to close, then exit.
+    Drain,
+    /// SIGINT: the same without waiting for connections.
+    Quick,
+}
+
+/// Requests read ahead of the one being handled, per connection (no request
+/// waits: batches travel through the control page, so this only smooths bursts).
+const MAX_BACKLOG: usize = 64;
+/// At most one repeated warning of a kind per this interval per connection.
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// State shared by all connections.
+#[derive(Debug)]
+pub struct Daemon {
+    settings: RwLock<Arc<Settings>>,
+    started: Instant,
+    pool: Arc<rayon::ThreadPool>,
+    datasets: Datasets,
+    caches: Arc<Caches>,
+    clients: Mutex<BTreeMap<u64, ClientStatus>>,
+    streams: Mutex<BTreeMap<u64, Arc<Stream>>>,
+    connected: Mutex<HashMap<u64, Instant>>,
+    /// Open connections: in total, and per uid.
+    admitted: Mutex<(usize, HashMap<u32, usize>)>,
+    /// Refused connections are logged at most once per [`WARN_EVERY`]: a
+    /// refused peer reconnecting in a loop must not flood the log.
+    refusals: Mutex<Throttle>,
+    next_id: AtomicU64,
+    own_uid: u32,
+    metrics: crate::metrics::Metrics,
+    /// Shared memory all streams may hold: `[limits] max_memory_bytes` less the caches.
+    memory: Arc<Budget>,
+    /// Worker busy time sampled once a second, for utilisation over a window.
+    load: Arc<Mutex<VecDeque<(Instant, Duration)>>>,
+}
+
+/// Span over which `stoker status` reports worker utilisation.
+const LOAD_WINDOW: Duration = Duration::from_secs(10);
+
+/// Samples [`crate::stream::counters::worker_busy`] once a second into `load` until the daemon is gone.
+fn sample_load(load: std::sync::Weak<Mutex<VecDeque<(Instant, Duration)>>>) {
+    while let Some(load) = load.upgrade() {
+        {
+            let mut samples = lock(&load);
+            let now = Instant::now();
+            samples.push_back((now, crate::stream::counters::worker_busy()));
+            while samples.front().is_some_and(|(t, _)| now.duration_since(*t) > LOAD_WINDOW) {
+                samples.pop_front();
+            }
+        }
+        drop(load);
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+impl Daemon {
+    /// Creates the daemon state and its worker pool.
+    pub fn new(settings: Settings) -> anyhow::Result<Arc<Daemon>> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(settings.worker_threads)
+            .thread_name(|i| format!("stoker-worker-{i}"))
+            .build()?;
+        let caches = Caches::new(settings.chunk_cache_bytes, settings.sample_cache_bytes, settings.cache_policy);
+        let datasets = Datasets::new(settings.clone(), caches.clone());
+        let load = Arc::new(Mutex::new(VecDeque::new()));
+        let weak = Arc::downgrade(&load);
+        if let Err(e) = std::thread::Builder::new().name("stoker-load".into()).spawn(move || sample_load(weak)) {
+            tracing::warn!(error = %e, "cannot start the load sampler: `stoker status` shows utilisation since start");
+        }
+        let memory = Budget::new(settings.limits.max_memory_bytes.saturating_sub(caches.capacity()));
+        Ok(Arc::new(Daemon {
+            settings: RwLock::new(Arc::new(settings)),
+            started: Instant::now(),
+            pool: Arc::new(pool),
+            datasets,
+            caches,
+            clients: Mutex::new(BTreeMap::new()),
+            streams: Mutex::new(BTreeMap::new()),
+            connected: Mutex::new(HashMap::new()),
+            admitted: Mutex::new((0, HashMap::new())),
+            refusals: Mutex::new(Throttle::default()),
+            next_id: AtomicU64::new(1),
+            own_uid: rustix::process::getuid().as_raw(),
+            metrics: crate::metrics::Metrics::default(),
+            memory,
+            load,
+        }))
+    }
+
+    /// The node-wide caches.
+    pub fn caches(&self) -> &Arc<Caches> {
+        &self.caches
+    }
+
+    /// The settings in force (replaced as a whole by [`Daemon::reload`]).
+    pub fn settings(&self) -> Arc<Settings> {
+        self.settings.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Applies a reloaded config: named datasets and limits take effect for
+    /// new streams; open streams keep their sources. The socket path, worker
+    /// threads and cache size need a restart. Returns what changed, for the log.
+    pub fn reload(&self, new: Settings) -> Vec<String> {
+        let old = self.settings();
+        let mut changes = Vec::new();
+        for (name, ds) in &new.datasets {
+            match old.datasets.get(name) {
+                None => changes.push(format!("dataset {name} added")),
+                Some(prev) if format!("{prev:?}") != format!("{ds:?}") => {
+                    changes.push(format!("dataset {name} changed"))
+                }
+                Some(_) => {}
+            }
+        }
+        changes.extend(
+            old.datasets.keys().filter(|n| !new.datasets.contains_key(*n)).map(|n| format!("dataset {n} removed")),
+        );
+        if format!("{:?}", old.limits) != format!("{:?}", new.limits) {
+            changes.push("limits changed".into());
+        }
+        if old.allowed_uids != new.allowed_uids || old.allowed_gids != new.allowed_gids {
+            changes.push("allowed users changed".into());
+        }
+        if old.allowed_roots != new.allowed_roots {
+            changes.push("allowed_roots changed".into());
+        }
+        for (what, differs) in [
+            ("socket", old.socket != new.socket),
+            ("worker threads", old.worker_threads != new.worker_threads),
+            ("chunk cache size", old.chunk_cache_bytes != new.chunk_cache_bytes),
+            ("sample cache size", old.sample_cache_bytes != new.sample_cache_bytes),
+            ("cache policy", old.cache_policy != new.cache_policy),
+            ("[metrics] listen", old.metrics_listen != new.metrics_listen),
+        ] {
+            if differs {
+                changes.push(format!("{what} changed but needs a restart to take effect"));
+            }
+        }
+        self.datasets.reload(new.clone());
+        self.memory.set_limit(new.limits.max_memory_bytes.saturating_sub(self.caches.capacity()));
+        *self.settings.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(new);
+        changes
+    }
+
+    fn id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Binds the daemon's socket at `path`, replacing a stale socket file but
+/// refusing to steal one a live daemon listens on, and gives it the
+/// configured mode and group.
+pub fn bind(path: &Path, settings: &Settings) -> anyhow::Result<UnixListener> {
+    use anyhow::Context;
+    use std::os::unix::fs::PermissionsExt;
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            anyhow::bail!(
+                "another stoker daemon is already listening on {}; stop it or pick another --socket",
+                path.display()
+            );
+        }
+        std::fs::remove_file(path).with_context(|| format!("cannot remove stale socket {}", path.display()))?;
+    }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create socket directory {}", dir.display()))?;
+    }
+    let listener = UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))?;
+    if let Some(gid) = settings.socket_gid {
+        std::os::unix::fs::chown(path, None, Some(gid))
+            .with_context(|| format!("cannot give socket {} to group {gid} ([server] socket_group)", path.display()))?;
+    }
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(settings.socket_mode))
+        .with_context(|| format!("cannot set mode {:o} on socket {}", settings.socket_mode, path.display()))?;
+    Ok(listener)
+}
+
+/// Serves clients on `listener` until `shutdown` resolves, then stops
+/// accepting, removes the socket file at `socket`, tells every connection
+/// [`ErrorKind::ShuttingDown`] and (for [`Shutdown::Drain`]) waits up to
+/// `[server] shutdown_grace_s` for them to close.
+pub async fn run(
+    daemon: Arc<Daemon>,
+    listener: UnixListener,
+    socket: PathBuf,
+    shutdown: impl std::future::Future<Output = Shutdown>,
+) -> anyhow::Result<()> {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut connections = tokio::task::JoinSet::new();
+    tokio::pin!(shutdown);
+    tracing::info!(socket = %socket.display(), workers = daemon.settings().worker_threads, "listening");
+    let mut accept_errors = Throttle::default();
+    let mut backoff = Duration::ZERO;
+    let how = loop {
+        tokio::select! {
+            accepted = listener.accept(), if backoff.is_zero() => match accepted {
+                Ok((sock, _)) => {
+                    let id = daemon.id();
+                    let span = tracing::info_span!("client", id);
+                    connections.spawn(serve_connection(daemon.clone(), sock, id, stop_rx.clone()).instrument(span));
+                }
+                Err(e) => {
+                    // Out of descriptors (EMFILE/ENFILE) or memory: accepting again
+                    // at once would spin; back off, and say so once in a while.
+                    backoff = Duration::from_millis(10);
+                    if let Some(suppressed) = accept_errors.allow() {
+                        tracing::warn!(error = %e, suppressed, open = connections.len(), "accept failed; backing off");
+                    }
+                }
+            },
+            () = tokio::time::sleep(backoff), if !backoff.is_zero() => {
+                // Probe with one accept; a further failure doubles the wait (up to 1 s).
+                match listener.accept().await {
+                    Ok((sock, _)) => {
+                        backoff = Duration::ZERO;
+                        let id = daemon.id();
+                        let span = tracing::info_span!("client", id);
+                        connections.spawn(serve_connection(daemon.clone(), sock, id, stop_rx.clone()).instrument(span));
+                    }
+                    Err(e) => {
+                        backoff = (backoff * 2).min(Duration::from_secs(1));
+                        if let Some(suppressed) = accept_errors.allow() {
+                            tracing::warn!(error = %e, suppressed, "accept still failing; backing off");
+                        }
+                    }
+                }
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            how = &mut shutdown => break how,
+        }
+    };
+    tracing::info!(?how, connections = connections.len(), "shutting down");
+    drop(listener);
+    let _ = std::fs::remove_file(&socket);
+    let _ = stop_tx.send(true);
+    let grace = match how {
+        Shutdown::Drain => daemon.settings().shutdown_grace,
+        Shutdown::Quick => Duration::from_millis(200),
+    };
+    let drained = tokio::time::timeout(grace, async { while connections.join_next().await.is_some() {} }).await;
+    if drained.is_err() {
+        tracing::warn!(left = connections.len(), "connections still open after the grace period; closing them");
+        connections.abort_all();
+    }
+    Ok(())
+}
+
+/// Answers a connection that will not be served with one error, after
+/// reading its first message (so the reply is not lost to a reset), then closes it.
+async fn refuse(mut sock: UnixStream, kind: ErrorKind, message: String, wait: Duration) {
+    let mut first = [0u8; 4096];
+    let _ = tokio::time::timeout(wait, sock.read(&mut first)).await;
+    if let Ok(frame) = stoker_proto::encode_frame(&Response::Error { kind, message }) {
+        let _ = tokio::time::timeout(wait, sock.write_all(&frame)).await;
+    }
+    let _ = sock.shutdown().await;
+}
