@@ -51,9 +51,9 @@ pub fn check_files(config: &Config) -> Vec<Problem> {
 fn check_hdf5(config: &Config, ds: &Hdf5Dataset) -> Option<(Vec<String>, String)> {
     let mut spec = Hdf5Spec::from_dataset(ds, config.hdf5.fast_path);
     spec.max_chunk_bytes = config.limits.max_sample_bytes;
-    let mut chains = match super::field_chains(&ds.field_transforms()) {
+    let mut chains = match stoker_data::source::transformed::field_chains(&ds.field_transforms()) {
         Ok(chains) => chains,
-        Err(message) => return Some((vec!["transforms".to_string()], message)),
+        Err(e) => return Some((vec!["transforms".to_string()], e.to_string())),
     };
     let opened = hdf5::check_files(&spec, None).and_then(|files| {
         let cache = stoker_data::cache::CacheCtx::disabled();
@@ -81,7 +81,7 @@ fn check_hdf5(config: &Config, ds: &Hdf5Dataset) -> Option<(Vec<String>, String)
 fn check_lmdb(config: &Config, ds: &LmdbDataset) -> Option<(Vec<String>, String)> {
     let mut spec = match super::lmdb_spec(ds, None) {
         Ok(spec) => spec,
-        Err((_, message)) => return Some((Vec::new(), message)),
+        Err(e) => return Some((Vec::new(), e.message)),
     };
     spec.max_value_bytes = config.limits.max_sample_bytes;
     if let Err(e) = super::load_stats(spec.fields.iter_mut().flat_map(|f| f.transforms.iter_mut()), None) {

@@ -15,25 +15,21 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
-use stoker_proto::{
-    DatasetInfo, DatasetRef, DatasetStatus, ErrorKind, FieldTransforms, Generation, LmdbDataset, Rescan, TransformDef,
-};
+use stoker_proto::{DatasetInfo, DatasetRef, DatasetStatus, ErrorKind, Generation, LmdbDataset, Rescan};
 
 use crate::config::{DatasetConfig, Settings};
+use crate::error::WireError;
 use stoker_data::cache::{CacheCtx, Caches};
-use stoker_data::fsaccess::{self, AccessError, FileId, Peer, Rights, Want};
+use stoker_data::fsaccess::{self, FileId, Peer, Rights, Want};
 use stoker_data::source::hdf5::{self, Hdf5Source, Hdf5Spec, OpenFiles};
 use stoker_data::source::lmdb::{CheckedLmdb, KeyFilter, LmdbField, LmdbSource, LmdbSpec, OnError};
-use stoker_data::source::transformed::{FieldChain, Transformed};
+use stoker_data::source::transformed::{FieldChain, Transformed, field_chains};
 use stoker_data::source::{Source, SourceError};
 use stoker_decode::codec::{Codec, Convert, RawLayout};
-use stoker_decode::transform::{Filter, Pair, Step};
+use stoker_decode::transform::{Pair, Step};
 
 /// Idle sources (no open stream) kept open for the next stream that wants them.
 pub const KEEP_IDLE: usize = 16;
-
-/// An error for the client: kind and message.
-pub type Refusal = (ErrorKind, String);
 
 /// An open dataset and how `stoker status` names it.
 #[derive(Debug, Clone)]
@@ -128,7 +124,7 @@ impl Datasets {
     /// Opens (or reuses) the dataset for the client `peer`. Blocking: call it
     /// off the async threads. Ad-hoc files are opened with the client's
     /// rights; files changed since a cached source opened them are opened anew.
-    pub fn open(&self, dataset: &DatasetRef, peer: &Peer) -> Result<Opened, Refusal> {
+    pub fn open(&self, dataset: &DatasetRef, peer: &Peer) -> Result<Opened, WireError> {
         let (label, mut resolved, rescan) = self.resolve(dataset)?;
         let settings = self.settings();
         match &mut resolved {
@@ -149,8 +145,8 @@ impl Datasets {
             let stats = load_stats(resolved.steps_mut(), roots)?;
             Ok::<_, SourceError>((files, stats))
         })
-        .map_err(|e| refuse(e.into()))?
-        .map_err(refuse)?;
+        .map_err(|e| WireError::from(SourceError::from(e)))?
+        .map_err(WireError::from)?;
         let mut ids = files.ids();
         ids.extend(stats_ids);
         let rescan = rescan == Rescan::Epoch;
@@ -192,18 +188,18 @@ impl Datasets {
         let source: Arc<dyn Source> = match (resolved, files) {
             (Resolved::Hdf5(spec, chains), Files::Hdf5(files)) => {
                 let source: Arc<dyn Source> =
-                    Arc::new(Hdf5Source::open(&spec, files, cache, self.open_files.clone()).map_err(refuse)?);
+                    Arc::new(Hdf5Source::open(&spec, files, cache, self.open_files.clone()).map_err(WireError::from)?);
                 if chains.is_empty() {
                     source
                 } else {
                     Arc::new(
                         Transformed::new(source, &chains, &spec.files, settings.limits.max_sample_bytes)
-                            .map_err(refuse)?,
+                            .map_err(WireError::from)?,
                     )
                 }
             }
             (Resolved::Lmdb(spec), Files::Lmdb(checked, _)) => {
-                let source = LmdbSource::open_checked(&spec, &checked).map_err(refuse)?.with_cache(cache);
+                let source = LmdbSource::open_checked(&spec, &checked).map_err(WireError::from)?.with_cache(cache);
                 for key in source.keys() {
                     list.write(&(key.len() as u64).to_le_bytes());
                     list.write(key);
@@ -213,7 +209,7 @@ impl Datasets {
             // `open_files` answers in the format it was asked; a mismatch is a
             // bug, and costs this open, never the daemon.
             _ => {
-                return Err((
+                return Err(WireError::new(
                     ErrorKind::Internal,
                     format!("dataset {label}: files opened for another format than the dataset's; please report this"),
                 ));
@@ -304,12 +300,12 @@ impl Datasets {
         self.open.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn resolve(&self, dataset: &DatasetRef) -> Result<(String, Resolved, Rescan), Refusal> {
+    fn resolve(&self, dataset: &DatasetRef) -> Result<(String, Resolved, Rescan), WireError> {
         let settings = self.settings();
         match dataset {
             DatasetRef::Named(name) => match settings.datasets.get(name) {
                 Some(DatasetConfig::Hdf5(ds)) => {
-                    let chains = field_chains(&ds.field_transforms()).map_err(|e| (ErrorKind::Dataset, e))?;
+                    let chains = field_chains(&ds.field_transforms())?;
                     Ok((
                         name.clone(),
                         Resolved::Hdf5(Hdf5Spec::from_dataset(ds, settings.hdf5_fast_path), chains),
@@ -319,7 +315,7 @@ impl Datasets {
                 Some(DatasetConfig::Lmdb(ds)) => Ok((name.clone(), Resolved::Lmdb(lmdb_spec(ds, None)?), ds.rescan)),
                 None => {
                     let known: Vec<_> = settings.datasets.keys().collect();
-                    Err((
+                    Err(WireError::new(
                         ErrorKind::NotFound,
                         format!(
                             "no dataset named {name:?} in the daemon's config (known: {known:?}); see `stoker datasets`"
@@ -330,12 +326,15 @@ impl Datasets {
             DatasetRef::Hdf5(ds) => {
                 self.check_ad_hoc()?;
                 if let Some(dup) = duplicate(ds.fields.0.iter().map(|(n, _)| n.as_str())) {
-                    return Err((ErrorKind::Dataset, format!("field {dup:?} is given twice")));
+                    return Err(WireError::new(ErrorKind::Dataset, format!("field {dup:?} is given twice")));
                 }
                 if let Some(p) = ds.problems().into_iter().next() {
-                    return Err((ErrorKind::Dataset, format!("ad-hoc dataset {:?}: {}", ds.files, p.message)));
+                    return Err(WireError::new(
+                        ErrorKind::Dataset,
+                        format!("ad-hoc dataset {:?}: {}", ds.files, p.message),
+                    ));
                 }
-                let chains = field_chains(&ds.field_transforms()).map_err(|e| (ErrorKind::Dataset, e))?;
+                let chains = field_chains(&ds.field_transforms())?;
                 Ok((
                     ds.files.clone(),
                     Resolved::Hdf5(Hdf5Spec::from_dataset(ds, settings.hdf5_fast_path), chains),
@@ -350,9 +349,9 @@ impl Datasets {
         }
     }
 
-    fn check_ad_hoc(&self) -> Result<(), Refusal> {
+    fn check_ad_hoc(&self) -> Result<(), WireError> {
         if self.settings().allowed_roots.is_empty() {
-            return Err((
+            return Err(WireError::new(
                 ErrorKind::PermissionDenied,
                 "this daemon serves only the datasets named in its config ([server] allowed_roots is empty); use a \
                  name from `stoker datasets`, or ask the admin to set allowed_roots"
@@ -467,28 +466,14 @@ impl Fnv {
     }
 }
 
-fn refuse(e: SourceError) -> Refusal {
-    let kind = match &e {
-        SourceError::Access(AccessError::NotAllowed { .. } | AccessError::Rights { .. }) => ErrorKind::PermissionDenied,
-        SourceError::Access(AccessError::Io { source, .. })
-            if source.kind() == std::io::ErrorKind::PermissionDenied =>
-        {
-            ErrorKind::PermissionDenied
-        }
-        SourceError::Limit(_) => ErrorKind::Limit,
-        _ => ErrorKind::Dataset,
-    };
-    (kind, e.to_string())
-}
-
 fn duplicate<'a>(names: impl Iterator<Item = &'a str>) -> Option<&'a str> {
     let mut seen = std::collections::HashSet::new();
     names.into_iter().find(|n| !seen.insert(*n))
 }
 
 /// Turns the wire/config description of an LMDB dataset into the source's spec.
-pub fn lmdb_spec(ds: &LmdbDataset, allowed_roots: Option<Vec<PathBuf>>) -> Result<LmdbSpec, Refusal> {
-    let bad = |message: String| (ErrorKind::Dataset, message);
+pub fn lmdb_spec(ds: &LmdbDataset, allowed_roots: Option<Vec<PathBuf>>) -> Result<LmdbSpec, WireError> {
+    let bad = |message: String| WireError::new(ErrorKind::Dataset, message);
     if ds.fields.is_empty() {
         return Err(bad("an LMDB dataset needs at least one field".into()));
     }
@@ -524,8 +509,7 @@ pub fn lmdb_spec(ds: &LmdbDataset, allowed_roots: Option<Vec<PathBuf>>) -> Resul
                 Codec::parse(&f.codec, raw).map_err(|e| field_err(e.to_string()))?
             }
         };
-        let transforms =
-            f.transforms.iter().map(|t| step(t, &f.name)).collect::<Result<Vec<_>, _>>().map_err(field_err)?;
+        let transforms = f.transforms.iter().map(|t| Step::from_def(t, &f.name)).collect::<Result<Vec<_>, _>>()?;
         fields.push(LmdbField {
             name: f.name.clone(),
             env: PathBuf::from(&f.env),
@@ -568,26 +552,6 @@ impl Resolved {
     }
 }
 
-/// The transforms of an HDF5 dataset's fields, converted (errors name the field and step).
-pub fn field_chains(defs: &[FieldTransforms]) -> Result<Vec<FieldChain>, String> {
-    defs.iter()
-        .map(|d| {
-            let steps = d
-                .steps
-                .iter()
-                .map(|t| step(t, &d.field))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| format!("field {:?}: {e}", d.field))?;
-            Ok(FieldChain {
-                field: d.field.clone(),
-                steps,
-                pair: d.pair.as_ref().map(|p| Pair { with: p.with.clone(), scale: p.scale }),
-                spatial_axes: d.spatial_axes,
-            })
-        })
-        .collect()
-}
-
 /// Reads the statistics files that `normalize` steps name (opened by handle,
 /// beneath `roots` when given: run it with the requester's rights) and puts
 /// their values in place of the steps; the files' identities.
@@ -618,92 +582,4 @@ pub fn load_stats<'a>(
         *step = stoker_decode::transform::stats::normalize_step(&text, stats, key).map_err(bad)?;
     }
     Ok(ids)
-}
-
-/// One step of the wire/config form as the engine runs it (`field` is the
-/// default entry of a statistics file).
-fn step(t: &TransformDef, field: &str) -> Result<Step, String> {
-    Ok(match t {
-        TransformDef::CenterCrop { height, width } => Step::CenterCrop { height: *height, width: *width },
-        TransformDef::RandomCrop { height, width } => Step::RandomCrop { height: *height, width: *width },
-        TransformDef::Resize { height, width, filter } => Step::Resize {
-            height: *height,
-            width: *width,
-            filter: match filter.as_deref() {
-                None | Some("bilinear") => Filter::Bilinear,
-                Some("nearest") => Filter::Nearest,
-                Some("bicubic") => Filter::Bicubic,
-                Some("lanczos3") | Some("lanczos") => Filter::Lanczos3,
-                Some(other) => {
-                    return Err(format!("resize filter {other:?}: use nearest, bilinear, bicubic or lanczos3"));
-                }
-            },
-        },
-        TransformDef::Hflip => Step::RandomHFlip,
-        TransformDef::ToF32 { scale } => Step::ToF32 { scale: scale.unwrap_or(1.0) },
-        TransformDef::Normalize { mean, std, stats: None, .. } => {
-            Step::Normalize { mean: mean.clone(), std: std.clone() }
-        }
-        TransformDef::Normalize { mean, std, stats: Some(stats), key } => {
-            if !mean.is_empty() || !std.is_empty() {
-                return Err(format!("normalize takes mean and std, or stats, not both (stats = {stats:?})"));
-            }
-            if !Path::new(stats).is_absolute() {
-                return Err(format!("normalize stats path {stats:?} must be absolute"));
-            }
-            Step::NormalizeFrom { stats: stats.clone(), key: key.clone().unwrap_or_else(|| field.to_string()) }
-        }
-        TransformDef::Chw => Step::ToChw,
-        TransformDef::Vflip => Step::RandomVFlip,
-        TransformDef::Rot90 => Step::RandomRot90,
-        TransformDef::Cast { dtype } => Step::Cast { dtype: parse_dtype(dtype)? },
-        TransformDef::Permute { axes } => {
-            Step::Permute { axes: axes.iter().map(|&a| usize::try_from(a).unwrap_or(usize::MAX)).collect() }
-        }
-        TransformDef::Downsample { factor, mode } => Step::Downsample {
-            factor: *factor,
-            mean: match mode.as_deref() {
-                None | Some("mean") => true,
-                Some("stride") => false,
-                Some(other) => return Err(format!("downsample mode {other:?}: use \"mean\" or \"stride\"")),
-            },
-        },
-    })
-}
-
-/// A dtype by numpy's name (`"float32"`, `"f4"`, `"uint8"`, ...).
-fn parse_dtype(name: &str) -> Result<stoker_proto::DType, String> {
-    use stoker_proto::DType;
-    let all = [
-        DType::Bool,
-        DType::U8,
-        DType::U16,
-        DType::U32,
-        DType::U64,
-        DType::I8,
-        DType::I16,
-        DType::I32,
-        DType::I64,
-        DType::F16,
-        DType::F32,
-        DType::F64,
-    ];
-    let short = |d: DType| match d {
-        DType::Bool => "?",
-        DType::U8 => "u1",
-        DType::U16 => "u2",
-        DType::U32 => "u4",
-        DType::U64 => "u8",
-        DType::I8 => "i1",
-        DType::I16 => "i2",
-        DType::I32 => "i4",
-        DType::I64 => "i8",
-        DType::F16 => "f2",
-        DType::F32 => "f4",
-        DType::F64 => "f8",
-    };
-    all.into_iter().find(|&d| d.numpy_name() == name || short(d) == name).ok_or_else(|| {
-        let names: Vec<&str> = all.iter().map(|d| d.numpy_name()).collect();
-        format!("cast to {name:?}: use one of {names:?}")
-    })
 }

@@ -27,28 +27,44 @@ impl Daemon {
     }
 
     /// Counts a new connection against `[limits] max_connections` and
-    /// `max_connections_per_uid`; `None` when either is reached.
-    pub(super) fn admit(self: &Arc<Self>, uid: u32) -> Result<Admission, String> {
+    /// `max_connections_per_uid`; refused when either is reached.
+    pub(super) fn admit(self: &Arc<Self>, uid: u32) -> Result<Admission, Full> {
         let limits = &self.settings().limits;
         let mut admitted = lock(&self.admitted);
         let privileged = uid == 0 || uid == self.own_uid;
         let of_uid = admitted.1.get(&uid).copied().unwrap_or(0);
         if admitted.0 >= limits.max_connections {
-            return Err(format!(
-                "the daemon already serves {} connections ([limits] max_connections); try again later",
-                admitted.0
-            ));
+            return Err(Full::Daemon { open: admitted.0 });
         }
         if !privileged && of_uid >= limits.max_connections_per_uid {
-            return Err(format!(
-                "uid {uid} already holds {of_uid} connections ([limits] max_connections_per_uid); close some \
-                 Loaders (each holds one connection)"
-            ));
+            return Err(Full::Uid { uid, open: of_uid });
         }
         admitted.0 += 1;
         *admitted.1.entry(uid).or_default() += 1;
         Ok(Admission { daemon: self.clone(), uid })
     }
+}
+
+/// Why a connection was not admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(super) enum Full {
+    /// `[limits] max_connections` reached.
+    #[error("the daemon already serves {open} connections ([limits] max_connections); try again later")]
+    Daemon {
+        /// Connections open.
+        open: usize,
+    },
+    /// `[limits] max_connections_per_uid` reached.
+    #[error(
+        "uid {uid} already holds {open} connections ([limits] max_connections_per_uid); close some Loaders (each \
+         holds one connection)"
+    )]
+    Uid {
+        /// The uid.
+        uid: u32,
+        /// Its connections open.
+        open: usize,
+    },
 }
 
 /// One admitted connection; dropping it frees its place.

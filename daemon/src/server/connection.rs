@@ -13,6 +13,7 @@ use tokio::net::UnixStream;
 use tokio::net::unix::OwnedWriteHalf;
 use tokio::sync::{mpsc, watch};
 
+use crate::error::WireError;
 use crate::ring::{ControlPage, Ring};
 use crate::stream::{Budget, Fetched, Shm, Stream, StreamMeta};
 use stoker_data::sampler::{Sampler, Shuffle};
@@ -57,16 +58,16 @@ pub(super) async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: 
             "uid {uid} is not allowed to use this daemon; the admin can add it to [server] allowed_uids \
              (or its group to allowed_gids)"
         );
-        refuse(sock, ErrorKind::PermissionDenied, msg, settings.frame_timeout).await;
+        refuse(sock, WireError::new(ErrorKind::PermissionDenied, msg), settings.frame_timeout).await;
         return;
     }
     let _admission = match daemon.admit(uid) {
         Ok(a) => a,
-        Err(msg) => {
+        Err(full) => {
             if let Some(suppressed) = lock(&daemon.refusals).allow() {
-                tracing::warn!(uid, pid, suppressed, "refused: {msg}");
+                tracing::warn!(uid, pid, suppressed, "refused: {full}");
             }
-            refuse(sock, ErrorKind::Limit, msg, settings.frame_timeout).await;
+            refuse(sock, WireError::new(ErrorKind::Limit, full.to_string()), settings.frame_timeout).await;
             return;
         }
     };
@@ -98,8 +99,8 @@ pub(super) async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: 
         tokio::select! {
             frame = frames.recv() => match frame {
                 None => break,
-                Some(Err(message)) => {
-                    let _ = conn.send(&Response::Error { kind: ErrorKind::Protocol, message }).await;
+                Some(Err(bad)) => {
+                    let _ = conn.send(&WireError::new(ErrorKind::Protocol, bad.to_string()).into()).await;
                     break;
                 }
                 Some(Ok(req)) => {
@@ -144,14 +145,14 @@ impl Connection {
         }
     }
 
-    async fn send_error(&mut self, (kind, message): (ErrorKind, String)) -> Result<(), ()> {
-        self.send(&Response::Error { kind, message }).await.map_err(drop)
+    async fn send_error(&mut self, error: WireError) -> Result<(), ()> {
+        self.send(&error.into()).await.map_err(drop)
     }
 
     /// Handles one request; `Err` closes the connection.
     async fn handle(&mut self, req: Request) -> Result<(), ()> {
         if !self.greeted && !matches!(req, Request::Hello { .. }) {
-            let err = (ErrorKind::Protocol, "the first message must be Hello".to_string());
+            let err = WireError::new(ErrorKind::Protocol, "the first message must be Hello");
             let _ = self.send_error(err).await;
             return Err(());
         }
@@ -163,7 +164,7 @@ impl Connection {
                          stoker client and daemon",
                         stoker_proto::PROTOCOL_VERSION
                     );
-                    let _ = self.send_error((ErrorKind::Version, msg)).await;
+                    let _ = self.send_error(WireError::new(ErrorKind::Version, msg)).await;
                     return Err(());
                 }
                 let job = job.filter(|j| j.len() <= 64 && j.chars().all(|c| c.is_ascii_graphic()));
@@ -223,7 +224,7 @@ impl Connection {
                     }
                     None => {
                         let message = format!("stream {stream} has no extra slot {slot} (any more)");
-                        self.send_error((ErrorKind::NotFound, message)).await
+                        self.send_error(WireError::new(ErrorKind::NotFound, message)).await
                     }
                 };
             }
@@ -260,7 +261,7 @@ impl Connection {
                                 generation: s.generation(),
                             }
                         }
-                        Err(message) => Response::Error { kind: ErrorKind::Protocol, message },
+                        Err(e) => WireError::from(e).into(),
                     }
                 }
                 None => no_stream(stream),
@@ -283,11 +284,11 @@ impl Connection {
         self.send(&reply).await.map_err(drop)
     }
 
-    async fn open_stream(&mut self, open: OpenStream) -> Reply<Arc<Stream>> {
+    async fn open_stream(&mut self, open: OpenStream) -> Result<Arc<Stream>, WireError> {
         let settings = self.daemon.settings();
         let limits = &settings.limits;
         if open.batch_size == 0 || open.batch_size > limits.max_batch_size {
-            return Err((
+            return Err(WireError::new(
                 ErrorKind::Limit,
                 format!(
                     "batch_size {} is outside 1..={} ([limits] max_batch_size)",
@@ -296,13 +297,13 @@ impl Connection {
             ));
         }
         if open.world_size == 0 || open.rank >= open.world_size {
-            return Err((
+            return Err(WireError::new(
                 ErrorKind::Protocol,
                 format!("rank {} is not below world_size {}", open.rank, open.world_size),
             ));
         }
         if self.streams.len() >= limits.max_streams_per_client {
-            return Err((
+            return Err(WireError::new(
                 ErrorKind::Limit,
                 format!(
                     "this client already has {} streams open ([limits] max_streams_per_client)",
@@ -315,7 +316,7 @@ impl Connection {
         let fingerprint = opened.fingerprint;
         let sampler = sampler_for(&open, &label, source.len())?;
         if open.step > sampler.batches_per_epoch() {
-            return Err((
+            return Err(WireError::new(
                 ErrorKind::Protocol,
                 format!("step {} is past the end of the epoch ({} batches)", open.step, sampler.batches_per_epoch()),
             ));
@@ -328,7 +329,7 @@ impl Connection {
                     }
                     stoker_proto::LayoutError::BatchTooLarge { .. } => None,
                 };
-                (ErrorKind::Limit, format!("dataset {label}{}: {e}", origin.unwrap_or_default()))
+                WireError::new(ErrorKind::Limit, format!("dataset {label}{}: {e}", origin.unwrap_or_default()))
             })?;
         let depth = settings.ring_depth;
         let want = layout
@@ -338,7 +339,7 @@ impl Connection {
         // Reserved atomically, so concurrent opens (and ring growth) cannot
         // together overshoot either budget.
         let mine = self.budget.reserve(want).map_err(|held| {
-            (
+            WireError::new(
                 ErrorKind::Limit,
                 format!(
                     "this stream needs {want} bytes of shared memory ({depth} slots × {} bytes) and the client already \
@@ -350,7 +351,7 @@ impl Connection {
         })?;
         let ours = self.daemon.memory.reserve(want).map_err(|total| {
             let cache = self.daemon.caches.capacity();
-            (
+            WireError::new(
                 ErrorKind::Limit,
                 format!(
                     "this stream needs {want} bytes of shared memory ({depth} slots × {} bytes) and the daemon's \
@@ -362,8 +363,9 @@ impl Connection {
             )
         })?;
         let id = self.daemon.id();
-        let shm_err =
-            |e: std::io::Error| (ErrorKind::Internal, format!("cannot create shared memory of {want} bytes: {e}"));
+        let shm_err = |e: std::io::Error| {
+            WireError::new(ErrorKind::Internal, format!("cannot create shared memory of {want} bytes: {e}"))
+        };
         let ring = Ring::create(&format!("stoker-stream-{id}"), &layout, depth).map_err(shm_err)?;
         let control = ControlPage::create(&format!("stoker-stream-{id}-control")).map_err(shm_err)?;
         let shm = Shm {
@@ -409,13 +411,13 @@ impl Connection {
     }
 
     /// Opens (or reuses) the dataset `open` names, off the async threads, with the client's rights.
-    async fn open_dataset(&self, open: &OpenStream) -> Reply<crate::dataset::Opened> {
+    async fn open_dataset(&self, open: &OpenStream) -> Result<crate::dataset::Opened, WireError> {
         let daemon = self.daemon.clone();
         let (dataset, peer) = (open.dataset.clone(), self.peer);
         tokio::task::spawn_blocking(move || daemon.datasets.open(&dataset, &peer)).await.map_err(|e| {
             let why = if e.is_panic() { crate::stream::panic_message(&*e.into_panic()) } else { e.to_string() };
             tracing::error!(dataset = ?open.dataset, %why, "opening a dataset panicked");
-            (
+            WireError::new(
                 ErrorKind::Internal,
                 format!(
                     "opening the dataset failed inside the daemon (a bug: {why}); the daemon keeps serving other \
@@ -434,19 +436,18 @@ impl Connection {
         stream: &Arc<Stream>,
         open: &OpenStream,
         epoch: u64,
-    ) -> Reply<(Arc<dyn stoker_data::source::Source>, Sampler, stoker_proto::Generation)> {
+    ) -> Result<(Arc<dyn stoker_data::source::Source>, Sampler, stoker_proto::Generation), WireError> {
         let label = &stream.meta().dataset;
-        let opened = self
-            .open_dataset(open)
-            .await
-            .map_err(|(kind, message)| (kind, format!("rescanning dataset {label} for epoch {epoch}: {message}")))?;
+        let opened = self.open_dataset(open).await.map_err(|e| {
+            WireError::new(e.kind, format!("rescanning dataset {label} for epoch {epoch}: {}", e.message))
+        })?;
         let was = stream.source();
         let decls = |s: &Arc<dyn stoker_data::source::Source>| s.fields().iter().map(|f| f.decl()).collect::<Vec<_>>();
         if decls(&opened.source) != decls(&was) {
             let show = |s: &Arc<dyn stoker_data::source::Source>| {
                 s.fields().iter().map(|f| format!("{} {:?} {:?}", f.name, f.dtype, f.shape)).collect::<Vec<_>>()
             };
-            return Err((
+            return Err(WireError::new(
                 ErrorKind::Dataset,
                 format!(
                     "rescanning dataset {label} for epoch {epoch}: its files now give fields {:?}, but the stream \
@@ -459,7 +460,7 @@ impl Connection {
         }
         let samples = opened.source.len();
         if samples == 0 {
-            return Err((
+            return Err(WireError::new(
                 ErrorKind::Dataset,
                 format!("rescanning dataset {label} for epoch {epoch}: no samples left; add files before the epoch"),
             ));
@@ -526,15 +527,18 @@ impl Connection {
 
 /// The sampler of a stream opened as `open`, over `samples` samples (`≥ 1`)
 /// of dataset `label`: at open, and again for each rescanned epoch.
-fn sampler_for(open: &OpenStream, label: &str, samples: u64) -> Reply<Sampler> {
+fn sampler_for(open: &OpenStream, label: &str, samples: u64) -> Result<Sampler, WireError> {
     let shuffle = match (open.shuffle, open.block) {
         (shuffle, None) => Shuffle::from(shuffle),
         (true, Some(b)) => Shuffle::Block { block_size: b.block_size, window: b.window },
         (false, Some(_)) => {
-            return Err((ErrorKind::Protocol, "a block order needs shuffle; send block: None without it".into()));
+            return Err(WireError::new(
+                ErrorKind::Protocol,
+                "a block order needs shuffle; send block: None without it",
+            ));
         }
     };
-    shuffle.check(samples).map_err(|e| (ErrorKind::Protocol, format!("dataset {label}: {e}")))?;
+    shuffle.check(samples).map_err(|e| WireError::new(ErrorKind::Protocol, format!("dataset {label}: {e}")))?;
     Ok(Sampler::new(samples, open.rank, open.world_size, open.batch_size, shuffle, open.seed, open.drop_last))
 }
 

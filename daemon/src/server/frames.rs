@@ -18,8 +18,26 @@ use tokio::sync::mpsc;
 pub(super) enum ReadEnd {
     /// The peer closed the connection (or it broke).
     Closed,
-    /// The frame is unacceptable; the message says why.
-    Refused(String),
+    /// The frame is unacceptable.
+    Refused(BadFrame),
+}
+
+/// A frame the connection cannot take; the client is told why and the
+/// connection closes.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum BadFrame {
+    /// The length prefix is beyond the limit (nothing was allocated for it).
+    #[error("{0} ([limits] max_message_bytes)")]
+    TooLarge(stoker_proto::FrameError),
+    /// A message was begun and not finished in time.
+    #[error("a message was started but not finished within {secs:.0} s ([server] frame_timeout_s); closing")]
+    Unfinished {
+        /// The deadline, in seconds.
+        secs: f64,
+    },
+    /// The body is not a request of this protocol.
+    #[error("{0}; is the client the same stoker version?")]
+    Undecodable(stoker_proto::FrameError),
 }
 
 /// Reads frames into `tx`. Waiting for a message to begin is unbounded (an
@@ -27,7 +45,7 @@ pub(super) enum ReadEnd {
 /// within `deadline`, and its buffer grows only as its bytes arrive.
 pub(super) async fn read_frames(
     mut reader: OwnedReadHalf,
-    tx: mpsc::Sender<Result<Request, String>>,
+    tx: mpsc::Sender<Result<Request, BadFrame>>,
     limit: usize,
     deadline: Duration,
 ) {
@@ -39,8 +57,7 @@ pub(super) async fn read_frames(
         }
         let rest = async {
             reader.read_exact(&mut header[1..]).await.map_err(|_| ReadEnd::Closed)?;
-            let len = stoker_proto::frame_len(header, limit)
-                .map_err(|e| ReadEnd::Refused(format!("{e} ([limits] max_message_bytes)")))?;
+            let len = stoker_proto::frame_len(header, limit).map_err(|e| ReadEnd::Refused(BadFrame::TooLarge(e)))?;
             let mut body = Vec::new();
             (&mut reader).take(len as u64).read_to_end(&mut body).await.map_err(|_| ReadEnd::Closed)?;
             if body.len() < len {
@@ -51,21 +68,18 @@ pub(super) async fn read_frames(
         let body = match tokio::time::timeout(deadline, rest).await {
             Ok(Ok(body)) => body,
             Ok(Err(ReadEnd::Closed)) => return,
-            Ok(Err(ReadEnd::Refused(message))) => {
-                let _ = tx.send(Err(message)).await;
+            Ok(Err(ReadEnd::Refused(bad))) => {
+                let _ = tx.send(Err(bad)).await;
                 return;
             }
             Err(_) => {
-                let message = format!(
-                    "a message was started but not finished within {:.0} s ([server] frame_timeout_s); closing",
-                    deadline.as_secs_f64()
-                );
-                tracing::warn!("{message}");
-                let _ = tx.send(Err(message)).await;
+                let bad = BadFrame::Unfinished { secs: deadline.as_secs_f64() };
+                tracing::warn!("{bad}");
+                let _ = tx.send(Err(bad)).await;
                 return;
             }
         };
-        let msg = stoker_proto::decode_body(&body).map_err(|e| format!("{e}; is the client the same stoker version?"));
+        let msg = stoker_proto::decode_body(&body).map_err(BadFrame::Undecodable);
         let failed = msg.is_err();
         if tx.send(msg).await.is_err() || failed {
             return;

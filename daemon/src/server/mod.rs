@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use stoker_proto::{ClientStatus, ErrorKind, Response};
+use stoker_proto::{ClientStatus, Response};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
@@ -18,6 +18,7 @@ use tracing::Instrument;
 
 use crate::config::Settings;
 use crate::dataset::Datasets;
+use crate::error::WireError;
 use crate::stream::{Budget, Stream};
 use stoker_data::cache::Caches;
 
@@ -29,8 +30,6 @@ mod frames;
 mod reports;
 
 use connection::serve_connection;
-/// An error reply: kind plus a message for the user.
-type Reply<T> = Result<T, (ErrorKind, String)>;
 
 /// How the daemon is asked to stop.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -290,10 +289,10 @@ pub async fn run(
 
 /// Answers a connection that will not be served with one error, after
 /// reading its first message (so the reply is not lost to a reset), then closes it.
-async fn refuse(mut sock: UnixStream, kind: ErrorKind, message: String, wait: Duration) {
+async fn refuse(mut sock: UnixStream, error: WireError, wait: Duration) {
     let mut first = [0u8; 4096];
     let _ = tokio::time::timeout(wait, sock.read(&mut first)).await;
-    if let Ok(frame) = stoker_proto::encode_frame(&Response::Error { kind, message }) {
+    if let Ok(frame) = stoker_proto::encode_frame(&Response::from(error)) {
         let _ = tokio::time::timeout(wait, sock.write_all(&frame)).await;
     }
     let _ = sock.shutdown().await;

@@ -14,7 +14,7 @@ use stoker_proto::{BatchLayout, FIELD_ALIGN};
 
 use super::counters::Timer;
 use crate::ring::Ring;
-use stoker_data::source::{SampleRef, Source, SourceError};
+use stoker_data::source::{SampleRef, SourceError};
 
 use super::*;
 
@@ -32,27 +32,15 @@ pub(super) struct Outcome {
 impl Stream {
     /// Creates an extra one-slot segment of `layout` within both budgets and
     /// returns its slot id.
-    pub(super) fn grow(&self, st: &mut State, layout: &BatchLayout, oversize: bool) -> Result<usize, String> {
-        let bytes = layout
-            .checked_ring_bytes(1)
-            .ok_or_else(|| format!("a slot of {} bytes does not fit in memory", layout.slot_bytes))?;
+    pub(super) fn grow(&self, st: &mut State, layout: &BatchLayout, oversize: bool) -> Result<usize, StreamError> {
+        let bytes = layout.checked_ring_bytes(1).ok_or(StreamError::SlotTooLarge { bytes: layout.slot_bytes })?;
         let [client, daemon] = &self.shm.budgets;
-        let mine = client.reserve(bytes).map_err(|used| {
-            format!(
-                "another slot of {bytes} bytes would exceed this client's shared-memory budget ({used} of {} bytes \
-                 in use, [limits] max_ring_bytes_per_client)",
-                client.limit()
-            )
-        })?;
-        let ours = daemon.reserve(bytes).map_err(|used| {
-            format!(
-                "another slot of {bytes} bytes would exceed the daemon's memory budget ({used} of {} bytes in use, \
-                 [limits] max_memory_bytes)",
-                daemon.limit()
-            )
-        })?;
+        let mine =
+            client.reserve(bytes).map_err(|used| StreamError::ClientBudget { bytes, used, limit: client.limit() })?;
+        let ours =
+            daemon.reserve(bytes).map_err(|used| StreamError::DaemonBudget { bytes, used, limit: daemon.limit() })?;
         let ring = Ring::create(&format!("stoker-stream-{}-extra", self.meta.id), layout, 1)
-            .map_err(|e| format!("cannot create shared memory of {bytes} bytes: {e}"))?;
+            .map_err(|source| StreamError::Shm { bytes, source })?;
         let generation = st.next_segment;
         st.next_segment = st.next_segment.wrapping_add(1).max(1);
         let segment = Some(Segment { ring, generation, oversize, _reserved: [mine, ours] });
@@ -302,7 +290,7 @@ impl Stream {
     }
 
     /// The stream's layout with the ragged rooms `oversize` asks for.
-    pub(super) fn oversize_layout(&self, oversize: &[u64]) -> Result<BatchLayout, String> {
+    pub(super) fn oversize_layout(&self, oversize: &[u64]) -> Result<BatchLayout, StreamError> {
         let layout = self.shm.ring.layout();
         let source = self.source();
         let decls = source.fields().iter().zip(oversize).map(|(f, &need)| {
@@ -313,6 +301,6 @@ impl Stream {
             }
             decl
         });
-        BatchLayout::new(layout.batch_size, decls, &self.shm.limits).map_err(|e| e.to_string())
+        Ok(BatchLayout::new(layout.batch_size, decls, &self.shm.limits)?)
     }
 }

@@ -35,13 +35,15 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
-use rayon::prelude::*;
 use stoker_proto::ctrl::{Publisher, RECORDS, Record, RecordKind};
 use stoker_proto::{BatchLayout, Generation, LayoutLimits, StreamStatus};
 
 pub mod budget;
 pub mod counters;
+mod error;
 mod fill;
+
+pub use error::StreamError;
 
 use crate::ring::{ControlPage, Ring};
 pub use budget::{Budget, Reservation};
@@ -448,7 +450,7 @@ impl Stream {
     /// Moves to `epoch`, resuming at `step`; prefetched batches are dropped
     /// and records not yet taken reclaimed. Returns the sequence number of
     /// the new position's first record.
-    pub fn set_epoch(self: &Arc<Self>, epoch: u64, step: u64) -> Result<u32, String> {
+    pub fn set_epoch(self: &Arc<Self>, epoch: u64, step: u64) -> Result<u32, StreamError> {
         self.set_epoch_with(epoch, step, None)
     }
 
@@ -459,15 +461,13 @@ impl Stream {
         epoch: u64,
         step: u64,
         rescanned: Option<(Arc<dyn Source>, Sampler, Generation)>,
-    ) -> Result<u32, String> {
+    ) -> Result<u32, StreamError> {
         let batches = match &rescanned {
             Some((_, sampler, _)) => sampler.batches_per_epoch(),
             None => self.sampler().batches_per_epoch(),
         };
         if step > batches {
-            return Err(format!(
-                "step {step} is past the end of the epoch ({batches} batches per epoch for this rank)"
-            ));
+            return Err(StreamError::PastEpochEnd { step, batches });
         }
         let mut st = self.lock();
         let control = self.shm.control.control();

@@ -9,6 +9,22 @@ use std::sync::{Arc, Mutex, PoisonError};
 use crate::source::{FieldOut, FieldSpec, SampleRef, Source, SourceError};
 use stoker_decode::codec::AlignedBuf;
 use stoker_decode::transform::{ArrayRef, Chain, Pair, SampleKey, Scratch, Step, TransformError};
+use stoker_proto::FieldTransforms;
+
+/// The transforms of a dataset's fields from their wire form (errors name the field and step).
+pub fn field_chains(defs: &[FieldTransforms]) -> Result<Vec<FieldChain>, TransformError> {
+    defs.iter()
+        .map(|d| {
+            let steps = d.steps.iter().map(|t| Step::from_def(t, &d.field)).collect::<Result<Vec<_>, _>>()?;
+            Ok(FieldChain {
+                field: d.field.clone(),
+                steps,
+                pair: d.pair.as_ref().map(|p| Pair { with: p.with.clone(), scale: p.scale }),
+                spatial_axes: d.spatial_axes,
+            })
+        })
+        .collect()
+}
 
 /// One field's transforms as declared.
 #[derive(Debug, Clone, PartialEq)]

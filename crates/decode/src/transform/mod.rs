@@ -16,6 +16,7 @@
 
 #![forbid(unsafe_code)]
 
+mod def;
 mod nd;
 mod resize;
 pub mod stats;

@@ -1,0 +1,104 @@
+//! Steps from their one definition, the wire's [`TransformDef`] (which the
+//! config and Python also deserialize into): each becomes the engine's
+//! [`Step`], or a [`TransformError::Invalid`] naming the field and saying
+//! what to write instead.
+
+use stoker_proto::{DType, TransformDef};
+
+use super::{Filter, Step, TransformError};
+
+impl Step {
+    /// One step of the wire/config form as the engine runs it (`field` is
+    /// the default entry of a statistics file).
+    pub fn from_def(t: &TransformDef, field: &str) -> Result<Step, TransformError> {
+        let invalid = |message: String| TransformError::Invalid { field: field.to_string(), message };
+        Ok(match t {
+            TransformDef::CenterCrop { height, width } => Step::CenterCrop { height: *height, width: *width },
+            TransformDef::RandomCrop { height, width } => Step::RandomCrop { height: *height, width: *width },
+            TransformDef::Resize { height, width, filter } => Step::Resize {
+                height: *height,
+                width: *width,
+                filter: match filter.as_deref() {
+                    None | Some("bilinear") => Filter::Bilinear,
+                    Some("nearest") => Filter::Nearest,
+                    Some("bicubic") => Filter::Bicubic,
+                    Some("lanczos3") | Some("lanczos") => Filter::Lanczos3,
+                    Some(other) => {
+                        return Err(invalid(format!(
+                            "resize filter {other:?}: use nearest, bilinear, bicubic or lanczos3"
+                        )));
+                    }
+                },
+            },
+            TransformDef::Hflip => Step::RandomHFlip,
+            TransformDef::ToF32 { scale } => Step::ToF32 { scale: scale.unwrap_or(1.0) },
+            TransformDef::Normalize { mean, std, stats: None, .. } => {
+                Step::Normalize { mean: mean.clone(), std: std.clone() }
+            }
+            TransformDef::Normalize { mean, std, stats: Some(stats), key } => {
+                if !mean.is_empty() || !std.is_empty() {
+                    return Err(invalid(format!(
+                        "normalize takes mean and std, or stats, not both (stats = {stats:?})"
+                    )));
+                }
+                if !stats.starts_with('/') {
+                    return Err(invalid(format!("normalize stats path {stats:?} must be absolute")));
+                }
+                Step::NormalizeFrom { stats: stats.clone(), key: key.clone().unwrap_or_else(|| field.to_string()) }
+            }
+            TransformDef::Chw => Step::ToChw,
+            TransformDef::Vflip => Step::RandomVFlip,
+            TransformDef::Rot90 => Step::RandomRot90,
+            TransformDef::Cast { dtype } => Step::Cast { dtype: parse_dtype(dtype).map_err(invalid)? },
+            TransformDef::Permute { axes } => {
+                Step::Permute { axes: axes.iter().map(|&a| usize::try_from(a).unwrap_or(usize::MAX)).collect() }
+            }
+            TransformDef::Downsample { factor, mode } => Step::Downsample {
+                factor: *factor,
+                mean: match mode.as_deref() {
+                    None | Some("mean") => true,
+                    Some("stride") => false,
+                    Some(other) => {
+                        return Err(invalid(format!("downsample mode {other:?}: use \"mean\" or \"stride\"")));
+                    }
+                },
+            },
+        })
+    }
+}
+
+/// A dtype named as numpy names it (`"float32"`) or by its short code (`"f4"`).
+fn parse_dtype(name: &str) -> Result<DType, String> {
+    let all = [
+        DType::Bool,
+        DType::U8,
+        DType::U16,
+        DType::U32,
+        DType::U64,
+        DType::I8,
+        DType::I16,
+        DType::I32,
+        DType::I64,
+        DType::F16,
+        DType::F32,
+        DType::F64,
+    ];
+    let short = |d: DType| match d {
+        DType::Bool => "?",
+        DType::U8 => "u1",
+        DType::U16 => "u2",
+        DType::U32 => "u4",
+        DType::U64 => "u8",
+        DType::I8 => "i1",
+        DType::I16 => "i2",
+        DType::I32 => "i4",
+        DType::I64 => "i8",
+        DType::F16 => "f2",
+        DType::F32 => "f4",
+        DType::F64 => "f8",
+    };
+    all.into_iter().find(|&d| d.numpy_name() == name || short(d) == name).ok_or_else(|| {
+        let names: Vec<&str> = all.iter().map(|d| d.numpy_name()).collect();
+        format!("cast to {name:?}: use one of {names:?}")
+    })
+}
