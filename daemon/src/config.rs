@@ -310,11 +310,8 @@ impl Config {
         })
     }
 
-    /// Checks values and resolves defaults, collecting every problem rather
-    /// than stopping at the first.
-    pub fn check(self) -> Result<Settings, Vec<Problem>> {
-        let mut problems = Vec::new();
-        let mut problem = |at: &[&str], message: String| problems.push(Problem::new(at, message));
+    /// Problems of `[ring]` and `[limits]` values taken one by one.
+    fn check_limits(&self, problem: &mut dyn FnMut(&[&str], String)) {
         if !(1..=1024).contains(&self.ring.depth) {
             problem(&["ring", "depth"], format!("[ring] depth = {} must be between 1 and 1024", self.ring.depth));
         }
@@ -340,6 +337,11 @@ impl Config {
         if self.limits.max_open_files == 0 {
             problem(&["limits", "max_open_files"], "[limits] max_open_files must be at least 1".into());
         }
+    }
+
+    /// Problems of the `[datasets.NAME]` tables that need no file to find
+    /// (the HDF5 ones are [`stoker_proto::Hdf5Dataset::problems`]).
+    fn check_datasets(&self, problem: &mut dyn FnMut(&[&str], String)) {
         for (name, ds) in &self.datasets {
             let ds = match ds {
                 DatasetConfig::Hdf5(ds) => ds,
@@ -377,6 +379,49 @@ impl Config {
                 problem(&["datasets", name, p.key], format!("[datasets.{name}] {}", p.message));
             }
         }
+    }
+
+    /// The socket's group and mode: as configured, else what the allowed
+    /// users and groups need (0660 with a group, 0666 with other users, 0600).
+    fn socket_access(server: &ServerConfig, problem: &mut dyn FnMut(&[&str], String)) -> (Option<u32>, u32) {
+        let socket_gid = match &server.socket_group {
+            None => None,
+            Some(g) => {
+                let gid = resolve_group(g);
+                if gid.is_none() {
+                    problem(
+                        &["server", "socket_group"],
+                        format!("[server] socket_group = {g:?} is neither a number nor a group in /etc/group"),
+                    );
+                }
+                gid
+            }
+        };
+        let socket_mode = match &server.socket_mode {
+            Some(m) => match u32::from_str_radix(m.trim_start_matches("0o"), 8) {
+                Ok(mode) if mode <= 0o777 => mode,
+                _ => {
+                    problem(
+                        &["server", "socket_mode"],
+                        format!("[server] socket_mode = {m:?} must be octal permissions like \"0660\""),
+                    );
+                    0o600
+                }
+            },
+            None if socket_gid.is_some() => 0o660,
+            None if !server.allowed_uids.is_empty() || !server.allowed_gids.is_empty() => 0o666,
+            None => 0o600,
+        };
+        (socket_gid, socket_mode)
+    }
+
+    /// Checks values and resolves defaults, collecting every problem rather
+    /// than stopping at the first.
+    pub fn check(self) -> Result<Settings, Vec<Problem>> {
+        let mut problems = Vec::new();
+        let mut problem = |at: &[&str], message: String| problems.push(Problem::new(at, message));
+        self.check_limits(&mut problem);
+        self.check_datasets(&mut problem);
         if self.limits.max_sample_bytes == 0 || self.limits.max_batch_bytes == 0 {
             let key = if self.limits.max_sample_bytes == 0 { "max_sample_bytes" } else { "max_batch_bytes" };
             problem(&["limits", key], "[limits] max_sample_bytes and max_batch_bytes must be at least 1".into());
@@ -405,34 +450,7 @@ impl Config {
             // A root that does not exist yet cannot hold files either; keep it as written.
             allowed_roots.push(root.canonicalize().unwrap_or_else(|_| root.clone()));
         }
-        let socket_gid = match &self.server.socket_group {
-            None => None,
-            Some(g) => {
-                let gid = resolve_group(g);
-                if gid.is_none() {
-                    problem(
-                        &["server", "socket_group"],
-                        format!("[server] socket_group = {g:?} is neither a number nor a group in /etc/group"),
-                    );
-                }
-                gid
-            }
-        };
-        let socket_mode = match &self.server.socket_mode {
-            Some(m) => match u32::from_str_radix(m.trim_start_matches("0o"), 8) {
-                Ok(mode) if mode <= 0o777 => mode,
-                _ => {
-                    problem(
-                        &["server", "socket_mode"],
-                        format!("[server] socket_mode = {m:?} must be octal permissions like \"0660\""),
-                    );
-                    0o600
-                }
-            },
-            None if socket_gid.is_some() => 0o660,
-            None if !self.server.allowed_uids.is_empty() || !self.server.allowed_gids.is_empty() => 0o666,
-            None => 0o600,
-        };
+        let (socket_gid, socket_mode) = Config::socket_access(&self.server, &mut problem);
         let mut seconds = |key: &str, s: f64| {
             if s.is_finite() && s > 0.0 && s <= 3600.0 {
                 std::time::Duration::from_secs_f64(s)

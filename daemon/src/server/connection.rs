@@ -198,90 +198,99 @@ impl Connection {
                 }
                 return Ok(());
             }
-            Request::Fetch { stream, seq } => match self.streams.get(&stream) {
-                Some(s) => match s.fetch(seq) {
-                    Fetched::Failed { epoch, step, message } => Response::BatchFailed { stream, epoch, step, message },
-                    Fetched::Resumed => Response::Done,
-                    Fetched::Exhausted(message) => Response::Error { kind: ErrorKind::RingExhausted, message },
-                    Fetched::Unknown => Response::Error {
-                        kind: ErrorKind::Protocol,
-                        message: format!("stream {stream} has no record {seq} with details to fetch"),
-                    },
-                },
-                None => no_stream(stream),
-            },
-            Request::Segment { stream, slot } => {
-                let segment = self.streams.get(&stream).and_then(|s| s.segment(slot));
-                return match segment {
-                    Some(seg) => {
-                        let resp = Response::Segment {
-                            stream,
-                            slot,
-                            generation: seg.generation,
-                            layout: seg.ring.layout().clone(),
-                        };
-                        self.send_with_fds(&resp, &[seg.ring.fd()]).await.map_err(drop)
-                    }
-                    None => {
-                        let message = format!("stream {stream} has no extra slot {slot} (any more)");
-                        self.send_error(WireError::new(ErrorKind::NotFound, message)).await
-                    }
-                };
-            }
+            Request::Fetch { stream, seq } => self.fetch(stream, seq),
+            Request::Segment { stream, slot } => return self.send_segment(stream, slot).await,
             Request::Release { stream, slot } => {
-                match self.streams.get(&stream) {
-                    Some(s) if s.release(slot) => {}
-                    Some(_) => {
-                        if let Some(suppressed) = self.bad_releases.allow() {
-                            tracing::warn!(stream, slot, suppressed, "release of a slot the client does not hold");
-                        }
-                    }
-                    // Arrays that outlive `close()` release their slots late: nothing left to do.
-                    None => tracing::trace!(stream, slot, "release for a closed stream"),
-                }
+                self.release(stream, slot);
                 return Ok(());
             }
-            Request::SetEpoch { stream, epoch, step } => match self.streams.get(&stream).cloned() {
-                Some(s) => {
-                    let rescanned = match self.rescans.get(&stream).cloned() {
-                        Some(open) if s.needs_rescan(epoch) => match self.rescan(&s, &open, epoch).await {
-                            Ok(rescanned) => Some(rescanned),
-                            Err(e) => return self.send_error(e).await,
-                        },
-                        _ => None,
-                    };
-                    match s.set_epoch_with(epoch, step, rescanned) {
-                        Ok(skip_to) => {
-                            let sampler = s.sampler();
-                            Response::EpochSet {
-                                stream,
-                                skip_to,
-                                num_samples: sampler.per_rank(),
-                                batches_per_epoch: sampler.batches_per_epoch(),
-                                generation: s.generation(),
-                            }
-                        }
-                        Err(e) => WireError::from(e).into(),
-                    }
-                }
-                None => no_stream(stream),
-            },
+            Request::SetEpoch { stream, epoch, step } => self.set_epoch(stream, epoch, step).await,
             Request::Status => Response::Status(self.daemon.status(self.uid, self.id)),
             Request::Datasets => Response::Datasets(self.daemon.datasets()),
             Request::CacheList => Response::CacheList(self.daemon.cache_report(self.uid)),
             Request::CacheDrop { dataset } => self.daemon.cache_drop(self.uid, dataset.as_deref()),
-            Request::Close { stream } => match self.streams.remove(&stream) {
-                Some(s) => {
-                    self.rescans.remove(&stream);
-                    s.close(false);
-                    lock(&self.daemon.streams).remove(&stream);
-                    tracing::info!(stream, dataset = %s.meta().dataset, uid = self.uid, pid = self.pid, "stream closed");
-                    Response::Done
-                }
-                None => no_stream(stream),
-            },
+            Request::Close { stream } => self.close_stream(stream),
         };
         self.send(&reply).await.map_err(drop)
+    }
+
+    /// The details of failed or special record `seq` of `stream`.
+    fn fetch(&self, stream: u64, seq: u32) -> Response {
+        let Some(s) = self.streams.get(&stream) else { return no_stream(stream) };
+        match s.fetch(seq) {
+            Fetched::Failed { epoch, step, message } => Response::BatchFailed { stream, epoch, step, message },
+            Fetched::Resumed => Response::Done,
+            Fetched::Exhausted(message) => WireError::new(ErrorKind::RingExhausted, message).into(),
+            Fetched::Unknown => WireError::new(
+                ErrorKind::Protocol,
+                format!("stream {stream} has no record {seq} with details to fetch"),
+            )
+            .into(),
+        }
+    }
+
+    /// Sends extra segment `slot` of `stream` with its memfd.
+    async fn send_segment(&mut self, stream: u64, slot: u32) -> Result<(), ()> {
+        match self.streams.get(&stream).and_then(|s| s.segment(slot)) {
+            Some(seg) => {
+                let resp =
+                    Response::Segment { stream, slot, generation: seg.generation, layout: seg.ring.layout().clone() };
+                self.send_with_fds(&resp, &[seg.ring.fd()]).await.map_err(drop)
+            }
+            None => {
+                let message = format!("stream {stream} has no extra slot {slot} (any more)");
+                self.send_error(WireError::new(ErrorKind::NotFound, message)).await
+            }
+        }
+    }
+
+    /// A one-way `Release` (the control page's queue is the usual path).
+    fn release(&mut self, stream: u64, slot: u32) {
+        match self.streams.get(&stream) {
+            Some(s) if s.release(slot) => {}
+            Some(_) => {
+                if let Some(suppressed) = self.bad_releases.allow() {
+                    tracing::warn!(stream, slot, suppressed, "release of a slot the client does not hold");
+                }
+            }
+            // Arrays that outlive `close()` release their slots late: nothing left to do.
+            None => tracing::trace!(stream, slot, "release for a closed stream"),
+        }
+    }
+
+    /// Moves `stream` to (`epoch`, `step`), matching a rescanned dataset's files again first.
+    async fn set_epoch(&mut self, stream: u64, epoch: u64, step: u64) -> Response {
+        let Some(s) = self.streams.get(&stream).cloned() else { return no_stream(stream) };
+        let rescanned = match self.rescans.get(&stream).cloned() {
+            Some(open) if s.needs_rescan(epoch) => match self.rescan(&s, &open, epoch).await {
+                Ok(rescanned) => Some(rescanned),
+                Err(e) => return e.into(),
+            },
+            _ => None,
+        };
+        match s.set_epoch_with(epoch, step, rescanned) {
+            Ok(skip_to) => {
+                let sampler = s.sampler();
+                Response::EpochSet {
+                    stream,
+                    skip_to,
+                    num_samples: sampler.per_rank(),
+                    batches_per_epoch: sampler.batches_per_epoch(),
+                    generation: s.generation(),
+                }
+            }
+            Err(e) => WireError::from(e).into(),
+        }
+    }
+
+    /// Closes `stream`; arrays still alive keep their pages until dropped.
+    fn close_stream(&mut self, stream: u64) -> Response {
+        let Some(s) = self.streams.remove(&stream) else { return no_stream(stream) };
+        self.rescans.remove(&stream);
+        s.close(false);
+        lock(&self.daemon.streams).remove(&stream);
+        tracing::info!(stream, dataset = %s.meta().dataset, uid = self.uid, pid = self.pid, "stream closed");
+        Response::Done
     }
 
     async fn open_stream(&mut self, open: OpenStream) -> Result<Arc<Stream>, WireError> {
