@@ -1,19 +1,10 @@
-//! Prometheus metrics: the counters the batch-fill path keeps per dataset,
-//! the exposition of one scrape (values gathered from the daemon's state at
-//! scrape time, encoded by `prometheus-client`'s OpenMetrics text encoder),
-//! and the small HTTP/1.1 responder that serves it on `GET /metrics`
-//! (`[metrics] listen`).
-//!
-//! The counters themselves live with the fill path that feeds them
-//! ([`crate::stream::counters`]): per dataset in [`Metrics`] (kept after its
-//! streams close), per stream in the stream (a series that ends with its
-//! stream). This module only reads them.
+//! The exposition of one scrape: values gathered from [`Metrics`]' counters
+//! and the daemon's state at scrape time ([`Scrape`]), encoded by
+//! `prometheus-client`'s OpenMetrics text encoder (`Metrics::render`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
-use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric, MetricEncoder};
@@ -21,69 +12,33 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::{Registry, Unit};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
 
-use crate::stream::Stream;
+use super::{Metrics, Scrape};
 use crate::stream::counters::{DatasetCounters, worker_busy};
 use stoker_data::cache::CacheStats;
 use stoker_data::source::Source;
 
-/// Datasets whose counters are kept; beyond it, those no stream uses are forgotten
-/// (ad-hoc datasets are labelled by their path, so their number is the clients' choice).
-const MAX_DATASETS: usize = 256;
-/// Scrape connections served at once; more are closed unanswered.
-const MAX_HTTP_CONNECTIONS: usize = 16;
-/// Largest request head (request line and headers) read.
-const MAX_REQUEST_BYTES: usize = 8 << 10;
-/// Time a scraper gets to send its request, and again to take the response.
-const HTTP_DEADLINE: Duration = Duration::from_secs(5);
 /// The OpenMetrics text format `prometheus-client` encodes.
-const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
-
-/// The daemon's metric counters (the rest is read from its state at scrape time).
-#[derive(Debug, Default)]
-pub struct Metrics {
-    datasets: Mutex<BTreeMap<String, Arc<DatasetCounters>>>,
-}
-
-/// The daemon state one scrape reports besides [`Metrics`]' own counters.
-#[derive(Debug)]
-pub struct Scrape {
-    /// Open streams.
-    pub streams: Vec<Arc<Stream>>,
-    /// Open sources with their dataset label (streams' sources are added to these).
-    pub sources: Vec<(String, Arc<dyn Source>)>,
-    /// The chunk cache.
-    pub cache: CacheStats,
-    /// The sample cache.
-    pub sample_cache: CacheStats,
-    /// Connected clients.
-    pub clients: u64,
-    /// Threads in the worker pool.
-    pub worker_threads: u64,
-}
+pub(super) const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 impl Metrics {
-    /// The counters of `dataset`, created on first use.
-    pub fn dataset(&self, dataset: &str) -> Arc<DatasetCounters> {
-        let mut all = self.datasets.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(c) = all.get(dataset) {
-            return c.clone();
-        }
-        if all.len() >= MAX_DATASETS {
-            // Forget a dataset no stream holds (its series ends).
-            if let Some(idle) = all.iter().find(|(_, c)| Arc::strong_count(c) == 1).map(|(k, _)| k.clone()) {
-                all.remove(&idle);
-            }
-        }
-        let counters = Arc::new(DatasetCounters::default());
-        all.insert(dataset.to_string(), counters.clone());
-        counters
-    }
-
     /// The OpenMetrics text of one scrape.
     pub fn render(&self, scrape: Scrape) -> String {
+        let snapshot = self.snapshot(scrape);
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(snapshot));
+        let mut text = String::new();
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut text, &registry) {
+            // Writing into a String fails only if an encoder refuses a value.
+            tracing::error!(error = %e, "cannot encode the metrics");
+            text.clear();
+        }
+        text
+    }
+
+    /// The values one scrape reports: the per-dataset counters, every open
+    /// source's open files and skips, and each stream's status.
+    fn snapshot(&self, scrape: Scrape) -> Snapshot {
         let datasets: Vec<(String, Arc<DatasetCounters>)> = self
             .datasets
             .lock()
@@ -145,7 +100,7 @@ impl Metrics {
                 }
             })
             .collect();
-        let snapshot = Snapshot {
+        Snapshot {
             streams,
             datasets: rows,
             cache: scrape.cache,
@@ -153,16 +108,7 @@ impl Metrics {
             clients: scrape.clients,
             worker_threads: scrape.worker_threads,
             worker_busy_s: worker_busy().as_secs_f64(),
-        };
-        let mut registry = Registry::default();
-        registry.register_collector(Box::new(snapshot));
-        let mut text = String::new();
-        if let Err(e) = prometheus_client::encoding::text::encode(&mut text, &registry) {
-            // Writing into a String fails only if an encoder refuses a value.
-            tracing::error!(error = %e, "cannot encode the metrics");
-            text.clear();
         }
-        text
     }
 }
 
@@ -256,6 +202,7 @@ fn single(
     put(encoder.encode_descriptor(name, help, unit, kind)?, kind, value)
 }
 
+/// Writes one series' `value` as a `kind` (counter or gauge).
 fn put(metric: MetricEncoder<'_>, kind: MetricType, value: Value) -> std::fmt::Result {
     match (kind, value) {
         (MetricType::Counter, Value::Int(v)) => ConstCounter::new(v).encode(metric),
@@ -267,10 +214,18 @@ fn put(metric: MetricEncoder<'_>, kind: MetricType, value: Value) -> std::fmt::R
 
 impl Collector for Snapshot {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::fmt::Result {
+        self.encode_daemon(&mut encoder)?;
+        self.encode_caches(&mut encoder)?;
+        self.encode_datasets(&mut encoder)?;
+        self.encode_streams(&mut encoder)
+    }
+}
+
+impl Snapshot {
+    /// The daemon-wide families: build, clients, streams, worker pool.
+    fn encode_daemon(&self, e: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
         use MetricType::{Counter, Gauge};
         use Value::{Float, Int};
-        let e = &mut encoder;
-
         family(
             e,
             "stoker_build_info",
@@ -290,7 +245,13 @@ impl Collector for Snapshot {
             Counter,
             Float(self.worker_busy_s),
         )?;
+        Ok(())
+    }
 
+    /// The chunk cache's and the sample cache's families.
+    fn encode_caches(&self, e: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+        use MetricType::{Counter, Gauge};
+        use Value::Int;
         let c = &self.cache;
         single(e, "stoker_chunk_cache_hits", "Chunk cache lookups that found their chunk", None, Counter, Int(c.hits))?;
         single(e, "stoker_chunk_cache_misses", "Chunk cache lookups that did not", None, Counter, Int(c.misses))?;
@@ -326,7 +287,13 @@ impl Collector for Snapshot {
         )?;
         single(e, "stoker_sample_cache_entries", "Decoded samples held", None, Gauge, Int(c.entries))?;
         single(e, "stoker_sample_cache_evictions", "Samples evicted to make room", None, Counter, Int(c.evictions))?;
+        Ok(())
+    }
 
+    /// The families labelled by dataset.
+    fn encode_datasets(&self, e: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+        use MetricType::{Counter, Gauge};
+        use Value::{Float, Int};
         let datasets: Vec<(String, &DatasetRow)> = self.datasets.iter().map(|(k, v)| (label(k), v)).collect();
         let per_dataset = |f: fn(&DatasetRow) -> Value| {
             datasets.iter().map(move |(name, row)| ([("dataset", name.as_str())], f(row)))
@@ -372,7 +339,13 @@ impl Collector for Snapshot {
             Gauge,
             per_dataset(|r| Int(r.open_files)),
         )?;
+        Ok(())
+    }
 
+    /// The families labelled by stream (with its dataset and rank).
+    fn encode_streams(&self, e: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+        use MetricType::{Counter, Gauge};
+        use Value::{Float, Int};
         let streams: Vec<([(&str, String); 3], &StreamRow)> = self
             .streams
             .iter()
@@ -424,155 +397,6 @@ impl Collector for Snapshot {
     }
 }
 
-/// Binds the metrics listener (`[metrics] listen`).
-pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
-    use anyhow::Context;
-    TcpListener::bind(addr).await.with_context(|| format!("cannot listen for metrics on {addr} ([metrics] listen)"))
-}
-
-/// Serves `GET /metrics` on `listener`, one response per connection, with
-/// the text `render` returns. Runs until the runtime stops.
-pub async fn serve(listener: TcpListener, render: impl Fn() -> String + Send + Sync + 'static) {
-    let render = Arc::new(render);
-    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_HTTP_CONNECTIONS));
-    if let Ok(addr) = listener.local_addr() {
-        tracing::info!(%addr, "serving metrics on http://{addr}/metrics");
-    }
-    let mut last_warning: Option<Instant> = None;
-    loop {
-        let (sock, peer) = match listener.accept().await {
-            Ok(accepted) => accepted,
-            Err(e) => {
-                if last_warning.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
-                    tracing::warn!(error = %e, "metrics: accept failed");
-                    last_warning = Some(Instant::now());
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        // Scrapers beyond the bound are closed at once: a crowd of slow
-        // clients cannot queue up in front of the real scraper for long.
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
-            tracing::debug!(%peer, "metrics: too many connections; closing");
-            continue;
-        };
-        let render = render.clone();
-        tokio::spawn(async move {
-            respond(sock, &*render).await;
-            drop(permit);
-        });
-    }
-}
-
-/// A response: status line and body.
-struct Response {
-    status: &'static str,
-    content_type: &'static str,
-    body: String,
-    head_only: bool,
-    extra: &'static str,
-}
-
-impl Response {
-    fn text(status: &'static str, body: &str) -> Response {
-        Response {
-            status,
-            content_type: "text/plain; charset=utf-8",
-            body: format!("{body}\n"),
-            head_only: false,
-            extra: "",
-        }
-    }
-}
-
-/// Reads one request head, answers it, and closes the connection.
-async fn respond(mut sock: TcpStream, render: &(dyn Fn() -> String + Send + Sync)) {
-    let response = match tokio::time::timeout(HTTP_DEADLINE, read_head(&mut sock)).await {
-        Err(_) => Response::text("408 Request Timeout", "request not received in time"),
-        Ok(Err(response)) => response,
-        Ok(Ok(head)) => route(&head, render),
-    };
-    let mut out = format!(
-        "HTTP/1.1 {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n{}\r\n",
-        response.status,
-        response.content_type,
-        response.body.len(),
-        response.extra
-    );
-    if !response.head_only {
-        out.push_str(&response.body);
-    }
-    let _ = tokio::time::timeout(HTTP_DEADLINE, async {
-        sock.write_all(out.as_bytes()).await?;
-        sock.shutdown().await?;
-        // Close only once the peer has had the response: unread request
-        // bytes (an oversized head) would otherwise turn the close into a
-        // reset that can destroy the response in flight.
-        let mut sink = [0u8; 4096];
-        for _ in 0..16 {
-            if sock.read(&mut sink).await? == 0 {
-                break;
-            }
-        }
-        std::io::Result::Ok(())
-    })
-    .await;
-}
-
-/// The request head (up to the blank line), or the error to answer with.
-async fn read_head(sock: &mut TcpStream) -> Result<String, Response> {
-    let mut buf = vec![0u8; MAX_REQUEST_BYTES];
-    let mut len = 0;
-    loop {
-        let Some(free) = buf.get_mut(len..).filter(|b| !b.is_empty()) else {
-            return Err(Response::text("431 Request Header Fields Too Large", "request head too large"));
-        };
-        let n = match sock.read(free).await {
-            Ok(0) | Err(_) => return Err(Response::text("400 Bad Request", "incomplete request")),
-            Ok(n) => n,
-        };
-        len += n;
-        let head = buf.get(..len).unwrap_or_default();
-        if let Some(end) = find(head, b"\r\n\r\n").or_else(|| find(head, b"\n\n")) {
-            let head = head.get(..end).unwrap_or_default();
-            return String::from_utf8(head.to_vec())
-                .map_err(|_| Response::text("400 Bad Request", "request head is not UTF-8"));
-        }
-    }
-}
-
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).position(|w| w == needle)
-}
-
-/// Answers a request head: `GET`/`HEAD /metrics` get the metrics.
-fn route(head: &str, render: &(dyn Fn() -> String + Send + Sync)) -> Response {
-    let line = head.lines().next().unwrap_or_default();
-    let mut parts = line.split(' ');
-    let (Some(method), Some(target), Some(version), None) = (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
-        return Response::text("400 Bad Request", "malformed request line");
-    };
-    if !version.starts_with("HTTP/1.") {
-        return Response::text("505 HTTP Version Not Supported", "HTTP/1.x only");
-    }
-    let path = target.split('?').next().unwrap_or_default();
-    if path != "/metrics" {
-        return Response::text("404 Not Found", "not found; metrics are at /metrics");
-    }
-    match method {
-        "GET" | "HEAD" => Response {
-            status: "200 OK",
-            content_type: CONTENT_TYPE,
-            body: render(),
-            head_only: method == "HEAD",
-            extra: "",
-        },
-        _ => Response { extra: "Allow: GET, HEAD\r\n", ..Response::text("405 Method Not Allowed", "use GET") },
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -581,34 +405,5 @@ mod tests {
     fn label_values_are_escaped() {
         assert_eq!(label("/data/a\"b\\c\nd.h5"), "/data/a\\\"b\\\\c\\nd.h5");
         assert_eq!(label("plain"), "plain");
-    }
-
-    #[test]
-    fn routes() {
-        let render = || "x 1\n# EOF\n".to_string();
-        assert_eq!(route("GET /metrics HTTP/1.1\r\nHost: a", &render).status, "200 OK");
-        assert_eq!(route("GET /metrics?x=1 HTTP/1.0", &render).status, "200 OK");
-        assert!(route("HEAD /metrics HTTP/1.1", &render).head_only);
-        assert_eq!(route("POST /metrics HTTP/1.1", &render).status, "405 Method Not Allowed");
-        assert_eq!(route("GET / HTTP/1.1", &render).status, "404 Not Found");
-        assert_eq!(route("GET /metrics", &render).status, "400 Bad Request");
-        assert_eq!(route("\u{0}\u{1}garbage", &render).status, "400 Bad Request");
-        assert_eq!(route("GET /metrics SPDY/3", &render).status, "505 HTTP Version Not Supported");
-    }
-
-    #[test]
-    fn dataset_counters_only_grow_across_replaced_sources() {
-        let metrics = Metrics::default();
-        let c = metrics.dataset("d");
-        let busy = worker_busy();
-        c.filled(Duration::from_millis(5));
-        c.completed(100, false);
-        c.completed(0, true);
-        assert_eq!(c.bytes(), 100);
-        assert_eq!(c.errors(), 1);
-        assert_eq!(c.decode(), Duration::from_millis(5));
-        // The one daemon-wide counter (other tests' fills may add to it too).
-        assert!(worker_busy() >= busy + Duration::from_millis(5));
-        assert!(Arc::ptr_eq(&c, &metrics.dataset("d")));
     }
 }
