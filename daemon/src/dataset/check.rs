@@ -1,7 +1,7 @@
 //! `stoker validate --files`: every named dataset opened as the daemon would
 //! open it for a client (files by handle, read-only; LMDB environments mapped
 //! without the lock file), through the same source opens and transform
-//! checks as [`super::Registry`], serving nothing.
+//! checks as [`super::Datasets`], serving nothing.
 
 use std::path::Path;
 

@@ -58,7 +58,7 @@ struct Entry {
     idle_since: Option<Instant>,
 }
 
-type Registry = Mutex<HashMap<String, Entry>>;
+type Registry = Mutex<HashMap<Resolved, Entry>>;
 
 /// Every dataset the daemon has opened.
 #[derive(Debug)]
@@ -71,9 +71,23 @@ pub struct Datasets {
     open: Arc<Registry>,
 }
 
+/// A dataset as the sources open it: also the registry's key and, with its
+/// files' identities, the cache's dataset fingerprint (derived `Eq`/`Hash`,
+/// so every parameter that changes the samples changes the identity).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum Resolved {
     Hdf5(Hdf5Spec, Vec<FieldChain>),
     Lmdb(LmdbSpec),
+}
+
+impl Resolved {
+    /// `"hdf5"` or `"lmdb"`, for `stoker status`.
+    fn format(&self) -> &'static str {
+        match self {
+            Resolved::Hdf5(..) => "hdf5",
+            Resolved::Lmdb(_) => "lmdb",
+        }
+    }
 }
 
 /// Files opened by handle for a dataset.
@@ -131,10 +145,7 @@ impl Datasets {
             Resolved::Lmdb(spec) => spec.max_value_bytes = settings.limits.max_sample_bytes,
             Resolved::Hdf5(spec, _) => spec.max_chunk_bytes = settings.limits.max_sample_bytes,
         }
-        let key = match &resolved {
-            Resolved::Hdf5(spec, chains) => format!("hdf5 {spec:?} {chains:?}"),
-            Resolved::Lmdb(spec) => format!("lmdb {spec:?}"),
-        };
+        let key = resolved.clone();
         let rights = match dataset {
             DatasetRef::Named(_) => Rights::Daemon,
             _ => Rights::Client(*peer),
@@ -281,7 +292,7 @@ impl Datasets {
             .map(|(key, e)| {
                 let status = DatasetStatus {
                     dataset: e.opened.label.clone(),
-                    format: key.split(' ').next().unwrap_or_default().to_string(),
+                    format: key.format().to_string(),
                     files: e.ids.len() as u64,
                     bytes: e.ids.iter().map(|id| id.size).sum(),
                     samples: e.opened.source.len(),
@@ -296,7 +307,7 @@ impl Datasets {
         list
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Resolved, Entry>> {
         self.open.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -364,8 +375,8 @@ impl Datasets {
 
 /// Closes the least recently used idle sources beyond [`KEEP_IDLE`]. A source
 /// is idle when only this registry holds it (no stream, no fill in flight).
-fn evict_idle(open: &mut HashMap<String, Entry>) {
-    let mut idle: Vec<(Instant, String)> = open
+fn evict_idle(open: &mut HashMap<Resolved, Entry>) {
+    let mut idle: Vec<(Instant, Resolved)> = open
         .iter()
         .filter(|(_, e)| Arc::strong_count(&e.opened.source) == 1)
         .map(|(k, e)| (e.used, k.clone()))
@@ -373,7 +384,7 @@ fn evict_idle(open: &mut HashMap<String, Entry>) {
     if idle.len() <= KEEP_IDLE {
         return;
     }
-    idle.sort();
+    idle.sort_by_key(|(used, _)| *used);
     for (_, key) in &idle[..idle.len() - KEEP_IDLE] {
         if let Some(e) = open.remove(key) {
             tracing::info!(dataset = %e.opened.label, "closed idle dataset");

@@ -13,9 +13,10 @@ use tokio::net::UnixStream;
 use tokio::net::unix::OwnedWriteHalf;
 use tokio::sync::{mpsc, watch};
 
+use crate::config::LimitsConfig;
 use crate::error::WireError;
 use crate::ring::{ControlPage, Ring};
-use crate::stream::{Budget, Fetched, Shm, Stream, StreamMeta};
+use crate::stream::{Budget, Fetched, Reservation, Shm, Stream, StreamMeta};
 use stoker_data::sampler::{Sampler, Shuffle};
 
 use super::*;
@@ -296,30 +297,7 @@ impl Connection {
     async fn open_stream(&mut self, open: OpenStream) -> Result<Arc<Stream>, WireError> {
         let settings = self.daemon.settings();
         let limits = &settings.limits;
-        if open.batch_size == 0 || open.batch_size > limits.max_batch_size {
-            return Err(WireError::new(
-                ErrorKind::Limit,
-                format!(
-                    "batch_size {} is outside 1..={} ([limits] max_batch_size)",
-                    open.batch_size, limits.max_batch_size
-                ),
-            ));
-        }
-        if open.world_size == 0 || open.rank >= open.world_size {
-            return Err(WireError::new(
-                ErrorKind::Protocol,
-                format!("rank {} is not below world_size {}", open.rank, open.world_size),
-            ));
-        }
-        if self.streams.len() >= limits.max_streams_per_client {
-            return Err(WireError::new(
-                ErrorKind::Limit,
-                format!(
-                    "this client already has {} streams open ([limits] max_streams_per_client)",
-                    self.streams.len()
-                ),
-            ));
-        }
+        self.check_open(&open, limits)?;
         let opened = self.open_dataset(&open).await?;
         let (label, source, generation) = (opened.label, opened.source, opened.generation);
         let fingerprint = opened.fingerprint;
@@ -345,32 +323,7 @@ impl Connection {
             .checked_ring_bytes(depth)
             .and_then(|b| b.checked_add(stoker_proto::ctrl::CTRL_BYTES))
             .unwrap_or(u64::MAX);
-        // Reserved atomically, so concurrent opens (and ring growth) cannot
-        // together overshoot either budget.
-        let mine = self.budget.reserve(want).map_err(|held| {
-            WireError::new(
-                ErrorKind::Limit,
-                format!(
-                    "this stream needs {want} bytes of shared memory ({depth} slots × {} bytes) and the client already \
-                     holds {held}; the limit is {} ([limits] max_ring_bytes_per_client): use a smaller batch_size",
-                    layout.slot_bytes,
-                    self.budget.limit()
-                ),
-            )
-        })?;
-        let ours = self.daemon.memory.reserve(want).map_err(|total| {
-            let cache = self.daemon.caches.capacity();
-            WireError::new(
-                ErrorKind::Limit,
-                format!(
-                    "this stream needs {want} bytes of shared memory ({depth} slots × {} bytes) and the daemon's \
-                     streams already hold {total}, besides {cache} bytes of caches ([cache] chunk_bytes + sample_bytes); the daemon's memory budget \
-                     is {} ([limits] max_memory_bytes): use a smaller batch_size, or retry when other jobs have \
-                     finished",
-                    layout.slot_bytes, limits.max_memory_bytes
-                ),
-            )
-        })?;
+        let [mine, ours] = self.reserve(want, depth, &layout, limits)?;
         let id = self.daemon.id();
         let shm_err = |e: std::io::Error| {
             WireError::new(ErrorKind::Internal, format!("cannot create shared memory of {want} bytes: {e}"))
@@ -417,6 +370,73 @@ impl Connection {
             "stream opened"
         );
         Ok(stream)
+    }
+
+    /// The limits an `OpenStream` is checked against before anything is opened.
+    fn check_open(&self, open: &OpenStream, limits: &LimitsConfig) -> Result<(), WireError> {
+        if open.batch_size == 0 || open.batch_size > limits.max_batch_size {
+            return Err(WireError::new(
+                ErrorKind::Limit,
+                format!(
+                    "batch_size {} is outside 1..={} ([limits] max_batch_size)",
+                    open.batch_size, limits.max_batch_size
+                ),
+            ));
+        }
+        if open.world_size == 0 || open.rank >= open.world_size {
+            return Err(WireError::new(
+                ErrorKind::Protocol,
+                format!("rank {} is not below world_size {}", open.rank, open.world_size),
+            ));
+        }
+        if self.streams.len() >= limits.max_streams_per_client {
+            return Err(WireError::new(
+                ErrorKind::Limit,
+                format!(
+                    "this client already has {} streams open ([limits] max_streams_per_client)",
+                    self.streams.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Reserves `want` bytes of shared memory against the client's and the
+    /// daemon's budgets.
+    fn reserve(
+        &self,
+        want: u64,
+        depth: u32,
+        layout: &BatchLayout,
+        limits: &LimitsConfig,
+    ) -> Result<[Reservation; 2], WireError> {
+        // Reserved atomically, so concurrent opens (and ring growth) cannot
+        // together overshoot either budget.
+        let mine = self.budget.reserve(want).map_err(|held| {
+            WireError::new(
+                ErrorKind::Limit,
+                format!(
+                    "this stream needs {want} bytes of shared memory ({depth} slots × {} bytes) and the client already \
+                     holds {held}; the limit is {} ([limits] max_ring_bytes_per_client): use a smaller batch_size",
+                    layout.slot_bytes,
+                    self.budget.limit()
+                ),
+            )
+        })?;
+        let ours = self.daemon.memory.reserve(want).map_err(|total| {
+            let cache = self.daemon.caches.capacity();
+            WireError::new(
+                ErrorKind::Limit,
+                format!(
+                    "this stream needs {want} bytes of shared memory ({depth} slots × {} bytes) and the daemon's \
+                     streams already hold {total}, besides {cache} bytes of caches ([cache] chunk_bytes + sample_bytes); the daemon's memory budget \
+                     is {} ([limits] max_memory_bytes): use a smaller batch_size, or retry when other jobs have \
+                     finished",
+                    layout.slot_bytes, limits.max_memory_bytes
+                ),
+            )
+        })?;
+        Ok([mine, ours])
     }
 
     /// Opens (or reuses) the dataset `open` names, off the async threads, with the client's rights.

@@ -3,7 +3,7 @@
 
 use stoker_proto::LayoutError;
 
-/// A stream's refusal; [`crate::error::WireError`] gives each its kind.
+/// A stream's refusal; the wire error at the edge gives each its kind.
 #[derive(Debug, thiserror::Error)]
 pub enum StreamError {
     /// `SetEpoch` (or an open) to a step beyond the epoch.

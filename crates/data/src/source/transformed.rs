@@ -27,7 +27,7 @@ pub fn field_chains(defs: &[FieldTransforms]) -> Result<Vec<FieldChain>, Transfo
 }
 
 /// One field's transforms as declared.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct FieldChain {
     /// The field.
     pub field: String,

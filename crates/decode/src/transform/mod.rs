@@ -25,7 +25,9 @@ use stoker_proto::DType;
 
 use crate::codec::AlignedBuf;
 
-/// A transform step, in declaration order.
+/// A transform step, in declaration order. Steps compare with `==` on their
+/// parameters (floats as floats) and hash consistently with that (see the
+/// `Hash` impl), so a dataset's identity is its steps' derived identity.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Step {
     /// Crop `height × width` from the centre (offset `(H - h) / 2`, rounded down).
@@ -110,9 +112,47 @@ pub enum Step {
     },
 }
 
+/// A step is a map key (an open dataset's identity). Its `f32` parameters
+/// make `==` non-reflexive only for NaN: a chain holding NaN never equals
+/// another, so such a dataset is opened afresh, never confused with one.
+impl Eq for Step {}
+
+impl std::hash::Hash for Step {
+    /// Hashes what `==` compares: the variant and every parameter, floats by
+    /// their bits with `-0.0` as `0.0` (equal floats hash equal).
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        fn floats<H: std::hash::Hasher>(values: &[f32], h: &mut H) {
+            values.len().hash(h);
+            for v in values {
+                (if *v == 0.0 { 0 } else { v.to_bits() }).hash(h);
+            }
+        }
+        std::mem::discriminant(self).hash(h);
+        match self {
+            Step::CenterCrop { height, width } | Step::RandomCrop { height, width } => (height, width).hash(h),
+            Step::Resize { height, width, filter } => (height, width, filter).hash(h),
+            Step::ToF32 { scale } => floats(&[*scale], h),
+            Step::Normalize { mean, std } => {
+                floats(mean, h);
+                floats(std, h);
+            }
+            Step::NormalizeTrailing { mean, std, dims } => {
+                floats(mean, h);
+                floats(std, h);
+                dims.hash(h);
+            }
+            Step::Cast { dtype } => dtype.hash(h),
+            Step::Permute { axes } => axes.hash(h),
+            Step::Downsample { factor, mean } => (factor, mean).hash(h),
+            Step::NormalizeFrom { stats, key } => (stats, key).hash(h),
+            Step::RandomHFlip | Step::ToChw | Step::RandomVFlip | Step::RandomRot90 => {}
+        }
+    }
+}
+
 /// Interpolation for [`Step::Resize`]; convolution-based, antialiased when
 /// shrinking (as Pillow's `Image.resize` and torchvision's `antialias=True`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Filter {
     /// Nearest neighbour (labels, masks).
     Nearest,
@@ -126,7 +166,7 @@ pub enum Filter {
 }
 
 /// Pairing of a field's random draws with another field's.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Pair {
     /// The field whose draws this chain follows (its chain must have the same
     /// geometric steps, sizes divided by `scale`, and no pairing of its own).

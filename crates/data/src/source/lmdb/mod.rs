@@ -92,7 +92,7 @@ pub const MAX_SUBSTITUTES: u64 = 1024;
 const KEEP_WORKER_BYTES: usize = 256 << 20;
 
 /// One field of an LMDB dataset.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct LmdbField {
     /// Field name delivered to the client.
     pub name: String,
@@ -110,7 +110,7 @@ pub struct LmdbField {
 }
 
 /// Which keys of the first field's environment are samples.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub enum KeyFilter {
     /// Every key except metadata ones that dataset writers commonly add:
     /// dunder keys (`__len__`, `__keys__`, `__meta__`, …), `length` and `keys`.
@@ -127,7 +127,7 @@ pub enum KeyFilter {
 }
 
 /// What a bad value (undecodable, wrong shape, missing) does to a read.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum OnError {
     /// The read fails with an error naming environment, key, field and codec.
     #[default]
@@ -137,7 +137,7 @@ pub enum OnError {
 }
 
 /// An LMDB dataset's definition.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct LmdbSpec {
     /// Fields in delivery order; the first one's environment lists the keys.
     pub fields: Vec<LmdbField>,
