@@ -88,6 +88,9 @@ struct NativeStream {
     names: Vec<Py<PyString>>,
 }
 
+/// numpy's type number for `dtype`: the one numpy table here. Names and
+/// sizes come from `DType` (`numpy_name`, `type_code`, `size` in stoker-proto);
+/// these are the C types of those sizes on the platforms stoker runs on.
 fn typenum(dtype: DType) -> c_int {
     let t = match dtype {
         DType::Bool => NPY_TYPES::NPY_BOOL,

@@ -168,3 +168,196 @@ impl Reader {
         Ok(got.bytes)
     }
 }
+
+/// The client's side of the socket against a test thread playing the
+/// daemon on the other end of a `UnixStream::pair()`: real frames, real fds.
+#[cfg(test)]
+mod tests {
+    use std::fs::File;
+    use std::io::{IoSlice, Read};
+    use std::os::fd::AsFd;
+    use std::thread::JoinHandle;
+
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    use stoker_proto::{ErrorKind, FRAME_HEADER_BYTES, PROTOCOL_VERSION};
+
+    use super::*;
+    use crate::Client;
+
+    /// An interrupt check that gives up after about five seconds of polls, so
+    /// that a client waiting for bytes that never come fails the test instead
+    /// of hanging it.
+    fn patience() -> impl FnMut() -> bool {
+        let mut polls = 0;
+        move || {
+            polls += 1;
+            polls > 100
+        }
+    }
+
+    /// Reads one request frame, as the daemon does.
+    fn read_request(sock: &mut UnixStream) -> Request {
+        let mut header = [0u8; FRAME_HEADER_BYTES];
+        sock.read_exact(&mut header).unwrap();
+        let mut body = vec![0u8; stoker_proto::frame_len(header, MAX_FRAME_BYTES).unwrap()];
+        sock.read_exact(&mut body).unwrap();
+        stoker_proto::decode_body(&body).unwrap()
+    }
+
+    fn frame(resp: &Response) -> Vec<u8> {
+        stoker_proto::encode_frame(resp).unwrap()
+    }
+
+    /// A connection whose daemon end runs `daemon` in a thread; the thread
+    /// gives its socket back, so it stays open until the test joins it.
+    fn with_daemon(daemon: impl FnOnce(&mut UnixStream) + Send + 'static) -> (Conn, JoinHandle<UnixStream>) {
+        let (client, mut sock) = UnixStream::pair().unwrap();
+        let thread = std::thread::spawn(move || {
+            daemon(&mut sock);
+            sock
+        });
+        (Conn::new(client).unwrap(), thread)
+    }
+
+    #[test]
+    fn a_reply_and_its_fds_arrive_with_it() {
+        let (conn, daemon) = with_daemon(|sock| {
+            assert!(matches!(read_request(sock), Request::Status));
+            let fd = rustix::fs::memfd_create("conn-test", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+            rustix::fs::ftruncate(&fd, 4096).unwrap();
+            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+            let mut control = SendAncillaryBuffer::new(&mut space);
+            let fds = [fd.as_fd()];
+            assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+            let bytes = frame(&Response::Done);
+            let n = rustix::net::sendmsg(&*sock, &[IoSlice::new(&bytes)], &mut control, SendFlags::empty()).unwrap();
+            assert_eq!(n, bytes.len());
+        });
+        let (resp, fds) = conn.request_with_fds(&Request::Status, &mut patience()).unwrap();
+        assert!(matches!(resp, Response::Done), "{resp:?}");
+        assert_eq!(fds.len(), 1);
+        assert_eq!(File::from(fds.into_iter().next().unwrap()).metadata().unwrap().len(), 4096);
+        daemon.join().unwrap();
+    }
+
+    #[test]
+    fn an_oversized_length_prefix_is_refused_before_its_body() {
+        for len in [MAX_FRAME_BYTES as u32 + 1, u32::MAX] {
+            // Only the prefix comes, and the daemon stays: a client that waited
+            // for (or made room for) the body would hang or allocate.
+            let (conn, daemon) = with_daemon(move |sock| {
+                read_request(sock);
+                sock.write_all(&len.to_le_bytes()).unwrap();
+            });
+            let err = conn.request(&Request::Status, &mut patience()).unwrap_err();
+            assert!(
+                matches!(&err, ClientError::Protocol(m) if m.contains(&format!("frame of {len} bytes exceeds the limit"))),
+                "{err:?}"
+            );
+            let reader = conn.reader.lock().unwrap();
+            assert_eq!(reader.buf.len(), FRAME_HEADER_BYTES, "nothing past the prefix was read");
+            assert!(reader.buf.capacity() < 64 * 1024, "no room made for the body: {}", reader.buf.capacity());
+            drop(reader);
+            daemon.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn a_frame_of_the_limit_is_awaited_and_a_daemon_leaving_mid_body_is_a_lost_connection() {
+        let (conn, daemon) = with_daemon(|sock| {
+            read_request(sock);
+            sock.write_all(&(MAX_FRAME_BYTES as u32).to_le_bytes()).unwrap();
+            sock.write_all(&[0u8; 100]).unwrap();
+            sock.shutdown(std::net::Shutdown::Both).unwrap();
+        });
+        let err = conn.request(&Request::Status, &mut patience()).unwrap_err();
+        assert!(matches!(err, ClientError::Disconnected(_)), "{err:?}");
+        daemon.join().unwrap();
+    }
+
+    #[test]
+    fn a_truncated_frame_is_an_error() {
+        let whole = frame(&Response::Hello { version: PROTOCOL_VERSION, server: "stoker test".into() });
+        // Cut inside the length prefix, and inside the body, then the daemon leaves.
+        for cut in [2, FRAME_HEADER_BYTES + 3, whole.len() - 1] {
+            let part = whole[..cut].to_vec();
+            let (conn, daemon) = with_daemon(move |sock| {
+                read_request(sock);
+                sock.write_all(&part).unwrap();
+                sock.shutdown(std::net::Shutdown::Both).unwrap();
+            });
+            let err = conn.request(&Request::Status, &mut patience()).unwrap_err();
+            assert!(matches!(err, ClientError::Disconnected(_)), "cut at {cut}: {err:?}");
+            daemon.join().unwrap();
+        }
+        // A body cut short whose prefix says so: it does not decode.
+        let mut short = whole[..whole.len() - 1].to_vec();
+        short[..FRAME_HEADER_BYTES].copy_from_slice(&((whole.len() - 1 - FRAME_HEADER_BYTES) as u32).to_le_bytes());
+        let (conn, daemon) = with_daemon(move |sock| {
+            read_request(sock);
+            sock.write_all(&short).unwrap();
+        });
+        let err = conn.request(&Request::Status, &mut patience()).unwrap_err();
+        assert!(matches!(&err, ClientError::Protocol(m) if m.contains("malformed frame")), "{err:?}");
+        daemon.join().unwrap();
+    }
+
+    #[test]
+    fn a_reply_owed_to_an_interrupted_request_is_not_taken_for_the_next() {
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let (conn, daemon) = with_daemon(move |sock| {
+            read_request(sock);
+            // Answer the first request only once the client gave up on it.
+            wait.recv().unwrap();
+            sock.write_all(&frame(&Response::Done)).unwrap();
+            assert!(matches!(read_request(sock), Request::Datasets));
+            sock.write_all(&frame(&Response::Datasets(vec![]))).unwrap();
+        });
+        let err = conn.request(&Request::Status, &mut || true).unwrap_err();
+        assert!(matches!(err, ClientError::Interrupted), "{err:?}");
+        go.send(()).unwrap();
+        let resp = conn.request(&Request::Datasets, &mut patience()).unwrap();
+        assert!(matches!(resp, Response::Datasets(ref d) if d.is_empty()), "{resp:?}");
+        daemon.join().unwrap();
+    }
+
+    /// Plays a daemon that answers `Hello` with `reply`, checking the client's `Hello`.
+    fn handshake_against(reply: Response) -> Result<Client> {
+        let (client, mut sock) = UnixStream::pair().unwrap();
+        let daemon = std::thread::spawn(move || {
+            let hello = read_request(&mut sock);
+            assert!(matches!(hello, Request::Hello { version: PROTOCOL_VERSION, .. }), "{hello:?}");
+            sock.write_all(&frame(&reply)).unwrap();
+            sock
+        });
+        let got = Client::handshake(client, &mut patience());
+        daemon.join().unwrap();
+        got
+    }
+
+    #[test]
+    fn a_daemon_of_the_same_protocol_is_greeted() {
+        handshake_against(Response::Hello { version: PROTOCOL_VERSION, server: "stoker test".into() }).unwrap();
+    }
+
+    #[test]
+    fn a_protocol_version_mismatch_is_a_typed_error() {
+        // The daemon refuses this client's version (what stoker's daemon does) ...
+        let refused = Response::Error { kind: ErrorKind::Version, message: "client speaks protocol 1".into() };
+        let err = handshake_against(refused).unwrap_err();
+        assert!(
+            matches!(&err, ClientError::Daemon { kind: ErrorKind::Version, message } if message.contains("protocol 1"))
+        );
+        // ... or greets it with another version: the client refuses it.
+        let other = PROTOCOL_VERSION + 1;
+        let err = handshake_against(Response::Hello { version: other, server: "stoker 9".into() }).unwrap_err();
+        let ClientError::Daemon { kind: ErrorKind::Version, message } = &err else {
+            panic!("a version error: {err:?}")
+        };
+        assert!(message.contains(&format!("protocol {other}")) && message.contains("stoker 9"), "{message}");
+        assert!(message.contains(&format!("this client speaks {PROTOCOL_VERSION}")), "{message}");
+        // Anything else in reply to Hello is a protocol error.
+        let err = handshake_against(Response::Done).unwrap_err();
+        assert!(matches!(err, ClientError::Protocol(_)), "{err:?}");
+    }
+}

@@ -121,6 +121,14 @@ impl Client {
                 ClientError::Unavailable { path: path.to_owned(), source }
             }
         })?;
+        Client::handshake(sock, interrupted)
+    }
+
+    /// Sends `Hello` on a connected socket and checks the daemon's reply: a
+    /// daemon of another protocol version, whether it refuses the client or
+    /// greets it with its version, is [`ClientError::Daemon`] of kind
+    /// [`ErrorKind::Version`].
+    fn handshake(sock: UnixStream, interrupted: &mut dyn FnMut() -> bool) -> Result<Client> {
         let conn = Arc::new(Conn::new(sock)?);
         let hello = Request::Hello {
             version: stoker_proto::PROTOCOL_VERSION,
@@ -128,7 +136,15 @@ impl Client {
             job: std::env::var("SLURM_JOB_ID").ok().filter(|j| !j.is_empty()),
         };
         match conn.request(&hello, interrupted)? {
-            Response::Hello { .. } => Ok(Client { conn }),
+            Response::Hello { version, .. } if version == stoker_proto::PROTOCOL_VERSION => Ok(Client { conn }),
+            Response::Hello { version, server } => Err(ClientError::Daemon {
+                kind: ErrorKind::Version,
+                message: format!(
+                    "the daemon ({server:.80}) speaks protocol {version}, this client speaks {}; install matching \
+                     versions of the stoker client and daemon",
+                    stoker_proto::PROTOCOL_VERSION
+                ),
+            }),
             other => Err(unexpected(&other)),
         }
     }

@@ -16,8 +16,9 @@ use std::os::fd::OwnedFd;
 use std::mem::ManuallyDrop;
 
 use memmap2::{Advice, MmapMut, MmapOptions, UncheckedAdvice};
+use rustix::fs::SealFlags;
 use stoker_proto::ctrl::{CTRL_BYTES, Control};
-use stoker_proto::{BatchLayout, DType, RING_LAYOUT_VERSION, RING_MAGIC};
+use stoker_proto::{BatchLayout, DType, RingError, RingHeader};
 
 use crate::{ClientError, Result};
 
@@ -35,31 +36,28 @@ pub(crate) struct Mapping {
 }
 
 impl Mapping {
+    /// Maps the segment `fd` of `depth` slots of `layout`, after checking
+    /// that it is sealed against shrinking, long enough, that every field of
+    /// `layout` lies inside a slot, and that its [`RingHeader`] is this
+    /// build's and says `depth` slots of `layout.slot_bytes`.
     pub(crate) fn new(fd: OwnedFd, layout: &BatchLayout, depth: u32) -> Result<Mapping> {
         let file = File::from(fd);
-        let want = layout.ring_bytes(depth);
+        require_size_sealed(&file, "shared-memory ring")?;
         let have = file.metadata()?.len();
-        if have < want {
-            return Err(ClientError::Protocol(format!("shared-memory ring is {have} bytes, the layout needs {want}")));
-        }
-        // SAFETY: the daemon sealed the memfd against shrinking (F_SEAL_SHRINK),
-        // so the mapping can never extend past the end of the file (no SIGBUS).
-        // It is private: this process's writes never reach the file. The
-        // daemon writes only to slots this client does not hold, and all
+        layout.check_segment(depth, have).map_err(ring_error)?;
+        // SAFETY: the memfd is sealed against shrinking (F_SEAL_SHRINK, checked
+        // above), so the mapping can never extend past the end of the file (no
+        // SIGBUS). It is private: this process's writes never reach the file.
+        // The daemon writes only to slots this client does not hold, and all
         // slices handed out cover held slots, so no reader observes a write.
         let mut map = unsafe { MmapOptions::new().map_copy(&file)? };
         // Best effort: without it a fork shares nothing wrong, it only copies more.
         let _ = map.advise(Advice::DontFork);
         let base = map.as_mut_ptr();
-        let header = &map[..16];
-        let magic = u64::from_le_bytes(header[..8].try_into().expect("8 bytes"));
-        let version = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
-        if magic != RING_MAGIC || version != RING_LAYOUT_VERSION {
-            return Err(ClientError::Protocol(format!(
-                "shared-memory ring has magic {magic:#x} version {version}; this client expects \
-                 {RING_MAGIC:#x} version {RING_LAYOUT_VERSION} (client and daemon versions differ)"
-            )));
-        }
+        let header = map.first_chunk().map(RingHeader::from_bytes).ok_or_else(|| {
+            ring_error(RingError::TooShort { len: map.len() as u64, depth, slot_bytes: layout.slot_bytes, need: None })
+        })?;
+        header.check(layout, depth).map_err(ring_error)?;
         Ok(Mapping { map: ManuallyDrop::new(map), owner: std::process::id(), base, layout: layout.clone() })
     }
 
@@ -73,11 +71,21 @@ impl Mapping {
 
     /// `len` bytes at `offset` inside `slot`.
     ///
-    /// Panics if the range lies outside the mapping, which the layout check in
-    /// [`Mapping::new`] rules out for every field of every slot.
+    /// Panics if the range does not lie inside the slot, or the slot inside
+    /// the mapping, which the layout checks in [`Mapping::new`] rule out for
+    /// every field of every slot.
     pub(crate) fn slot_bytes(&self, slot: u32, offset: u64, len: usize) -> &[u8] {
-        let start = (self.layout.slot_offset(slot) + offset) as usize;
-        assert!(start.checked_add(len).is_some_and(|end| end <= self.map.len()), "slot range inside the mapping");
+        let in_slot = offset.checked_add(len as u64).is_some_and(|end| end <= self.layout.slot_bytes);
+        let start = self.layout.slot_offset(slot).checked_add(offset).and_then(|s| usize::try_from(s).ok());
+        let start = match start {
+            Some(start) if in_slot && start.checked_add(len).is_some_and(|end| end <= self.map.len()) => start,
+            _ => panic!(
+                "{len} bytes at offset {offset} of slot {slot} lie outside the slot ({} bytes) or the ring's \
+                 mapping ({} bytes)",
+                self.layout.slot_bytes,
+                self.map.len()
+            ),
+        };
         // SAFETY: in bounds (checked above). The slot is held by the caller's
         // lease, so the daemon does not write it; this process may write it
         // through arrays handed to Python (private copy-on-write pages), which
@@ -111,6 +119,24 @@ impl Mapping {
         // (the lease that owned it is being dropped), so nobody observes the
         // contents change.
         let _ = unsafe { self.map.unchecked_advise_range(UncheckedAdvice::DontNeed, start, len) };
+    }
+}
+
+/// A segment's problem as a client error.
+fn ring_error(e: RingError) -> ClientError {
+    ClientError::Protocol(e.to_string())
+}
+
+/// Refuses a memfd whose size is not sealed against shrinking: the daemon
+/// seals every segment it sends, and only the seal keeps a mapping of it
+/// from faulting (SIGBUS) when someone truncates the file.
+fn require_size_sealed(file: &File, what: &str) -> Result<()> {
+    match rustix::fs::fcntl_get_seals(file) {
+        Ok(seals) if seals.contains(SealFlags::SHRINK) => Ok(()),
+        Ok(_) => Err(ClientError::Protocol(format!(
+            "the {what} is not sealed against shrinking (F_SEAL_SHRINK); the daemon is not stoker's"
+        ))),
+        Err(e) => Err(ClientError::Protocol(format!("the {what} is not a sealable memfd ({e})"))),
     }
 }
 
@@ -168,6 +194,7 @@ pub(crate) struct ControlMap {
 impl ControlMap {
     pub(crate) fn new(fd: OwnedFd) -> Result<ControlMap> {
         let file = File::from(fd);
+        require_size_sealed(&file, "stream's control page")?;
         let have = file.metadata()?.len();
         if have < CTRL_BYTES {
             return Err(ClientError::Protocol(format!(
@@ -175,9 +202,9 @@ impl ControlMap {
                  versions differ)"
             )));
         }
-        // SAFETY: the daemon sealed the memfd's size (F_SEAL_SHRINK|GROW), so
-        // the mapping never outlives the file. The page is shared with the
-        // daemon and accessed only through the atomics of `Control`.
+        // SAFETY: the memfd is sealed against shrinking (F_SEAL_SHRINK, checked
+        // above), so the mapping never outlives the file. The page is shared
+        // with the daemon and accessed only through the atomics of `Control`.
         let map = unsafe { MmapMut::map_mut(&file)? };
         let _ = map.advise(Advice::DontFork);
         let page = ControlMap { map: ManuallyDrop::new(map), owner: std::process::id() };
@@ -234,6 +261,8 @@ macro_rules! element {
     ($($t:ty => $d:ident),*) => {$(
         impl sealed::Sealed for $t {}
         impl Element for $t { const DTYPE: DType = DType::$d; }
+        // The element size is proto's size of the dtype.
+        const _: () = assert!(std::mem::size_of::<$t>() == DType::$d.size());
     )*};
 }
 element!(u8 => U8, u16 => U16, u32 => U32, u64 => U64, i8 => I8, i16 => I16, i32 => I32, i64 => I64, f32 => F32, f64 => F64);
@@ -247,4 +276,180 @@ pub(crate) fn cast_slice<T: Element>(bytes: &[u8]) -> &[T] {
     // SAFETY: alignment and length were checked above; every bit pattern is a
     // valid value of the integer and float types that implement `Element`.
     unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<T>(), bytes.len() / size) }
+}
+
+/// Real memfds, written and sealed as the daemon's `Ring::create` does.
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::FileExt;
+
+    use rustix::fs::MemfdFlags;
+    use stoker_proto::ctrl::{CTRL_MAGIC, CTRL_VERSION};
+    use stoker_proto::{FieldDecl, LayoutLimits, RING_MAGIC};
+
+    use super::*;
+
+    fn layout() -> BatchLayout {
+        let fields = [
+            FieldDecl { name: "x".into(), dtype: DType::U32, shape: vec![3], max_sample_bytes: None },
+            FieldDecl { name: "img".into(), dtype: DType::U8, shape: vec![0, 3], max_sample_bytes: Some(100) },
+        ];
+        BatchLayout::new(4, fields, &LayoutLimits::DEFAULT).unwrap()
+    }
+
+    /// A memfd of `len` bytes starting with `header`, `0xAB` at the start of
+    /// slot 1's first field, sealed unless `seal` is false.
+    fn segment(layout: &BatchLayout, header: RingHeader, len: u64, seal: bool) -> OwnedFd {
+        let fd = rustix::fs::memfd_create("mapping-test", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+        let file = File::from(fd);
+        file.write_all_at(&header.to_bytes(), 0).unwrap();
+        if len > layout.slot_offset(1) {
+            file.write_all_at(&[0xAB; 12], layout.slot_offset(1) + layout.fields[0].offset).unwrap();
+        }
+        file.set_len(len).unwrap();
+        if seal {
+            let seals = SealFlags::SHRINK | SealFlags::GROW | SealFlags::FUTURE_WRITE | SealFlags::SEAL;
+            rustix::fs::fcntl_add_seals(&file, seals).unwrap();
+        }
+        OwnedFd::from(file)
+    }
+
+    fn good(layout: &BatchLayout, depth: u32) -> OwnedFd {
+        segment(layout, RingHeader::new(layout, depth), layout.ring_bytes(depth), true)
+    }
+
+    /// The protocol error `Mapping::new` gives for `fd`.
+    fn refusal(fd: OwnedFd, layout: &BatchLayout, depth: u32) -> String {
+        match Mapping::new(fd, layout, depth) {
+            Err(ClientError::Protocol(message)) => message,
+            other => panic!("expected a protocol error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_good_header_maps_and_slots_read_the_segment() {
+        let layout = layout();
+        let map = Mapping::new(good(&layout, 2), &layout, 2).unwrap();
+        assert_eq!(map.layout(), &layout);
+        assert_eq!(map.range().1 as u64, layout.ring_bytes(2));
+        let x = &layout.fields[0];
+        assert_eq!(map.slot_bytes(1, x.offset, 12), &[0xAB; 12]);
+        assert_eq!(map.slot_bytes(0, x.offset, 12), &[0; 12]);
+        // The last byte of the last slot is in bounds; an empty range at the slot's end too.
+        assert_eq!(map.slot_bytes(1, layout.slot_bytes - 1, 1), &[0]);
+        assert!(map.slot_bytes(1, layout.slot_bytes, 0).is_empty());
+        // An extra segment: one slot.
+        Mapping::new(good(&layout, 1), &layout, 1).unwrap();
+    }
+
+    #[test]
+    fn a_bad_magic_is_refused() {
+        let layout = layout();
+        let header = RingHeader { magic: u64::from_le_bytes(*b"NOTARING"), ..RingHeader::new(&layout, 2) };
+        let msg = refusal(segment(&layout, header, layout.ring_bytes(2), true), &layout, 2);
+        assert!(msg.contains("is not a stoker ring") && msg.contains(&format!("{RING_MAGIC:#018x}")), "{msg}");
+        // A segment nobody wrote a header into.
+        let zeros = RingHeader::from_bytes(&[0; RingHeader::BYTES]);
+        let msg = refusal(segment(&layout, zeros, layout.ring_bytes(2), true), &layout, 2);
+        assert!(msg.contains("magic 0x0000000000000000"), "{msg}");
+    }
+
+    #[test]
+    fn another_layout_version_is_refused() {
+        let layout = layout();
+        let header = RingHeader { version: 2, ..RingHeader::new(&layout, 2) };
+        let msg = refusal(segment(&layout, header, layout.ring_bytes(2), true), &layout, 2);
+        assert!(msg.contains("layout version 2") && msg.contains("client and daemon versions differ"), "{msg}");
+    }
+
+    #[test]
+    fn a_header_of_another_geometry_is_refused() {
+        let layout = layout();
+        // A header of three slots in a segment long enough for them, mapped as two.
+        let msg = refusal(segment(&layout, RingHeader::new(&layout, 3), layout.ring_bytes(3), true), &layout, 2);
+        assert!(msg.contains("holds 3 slots") && msg.contains("opened with 2 slots"), "{msg}");
+        let header = RingHeader { slot_bytes: layout.slot_bytes * 2, ..RingHeader::new(&layout, 1) };
+        let msg = refusal(segment(&layout, header, layout.ring_bytes(2), true), &layout, 1);
+        assert!(msg.contains(&format!("of {} bytes", layout.slot_bytes * 2)), "{msg}");
+    }
+
+    #[test]
+    fn a_short_segment_is_refused() {
+        let layout = layout();
+        let need = layout.ring_bytes(2);
+        for len in [0, 10, RingHeader::BYTES as u64, layout.header_bytes(), need - 1] {
+            let msg = refusal(segment(&layout, RingHeader::new(&layout, 2), len, true), &layout, 2);
+            assert!(
+                msg.contains(&format!("ring is {len} bytes")) && msg.contains(&format!("need {need} bytes")),
+                "{msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_unsealed_segment_is_refused() {
+        let layout = layout();
+        let msg = refusal(segment(&layout, RingHeader::new(&layout, 2), layout.ring_bytes(2), false), &layout, 2);
+        assert!(msg.contains("not sealed against shrinking"), "{msg}");
+        // Not a memfd at all: a regular file has no seals.
+        let msg = refusal(OwnedFd::from(File::open("/proc/self/exe").unwrap()), &layout, 2);
+        assert!(msg.contains("not a sealable memfd"), "{msg}");
+    }
+
+    #[test]
+    fn a_layout_whose_fields_leave_the_slot_is_refused() {
+        let layout = layout();
+        let mut bad = layout.clone();
+        bad.fields[0].shape = vec![1 << 20];
+        let msg = refusal(good(&layout, 2), &bad, 2);
+        assert!(msg.contains("field \"x\" end past its slot"), "{msg}");
+    }
+
+    #[test]
+    #[should_panic(expected = "lie outside the slot")]
+    fn a_range_past_the_slot_panics() {
+        let layout = layout();
+        let map = Mapping::new(good(&layout, 2), &layout, 2).unwrap();
+        // Slot 0's range spilling into slot 1 is inside the mapping, and still refused.
+        map.slot_bytes(0, layout.slot_bytes - 4, 8);
+    }
+
+    #[test]
+    #[should_panic(expected = "lie outside the slot")]
+    fn a_slot_past_the_ring_panics() {
+        let layout = layout();
+        let map = Mapping::new(good(&layout, 2), &layout, 2).unwrap();
+        map.slot_bytes(2, 0, 1);
+    }
+
+    #[test]
+    #[should_panic(expected = "lie outside the slot")]
+    fn an_offset_that_overflows_panics_with_the_bounds_message() {
+        let layout = layout();
+        let map = Mapping::new(good(&layout, 1), &layout, 1).unwrap();
+        map.slot_bytes(0, u64::MAX, 1);
+    }
+
+    fn control_memfd(len: u64, stamp: bool) -> OwnedFd {
+        let fd = rustix::fs::memfd_create("control-test", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+        let file = File::from(fd);
+        file.set_len(len).unwrap();
+        if stamp {
+            // Where `Control` keeps its magic and version (`#[repr(C)]`, native-endian atomics).
+            file.write_all_at(&CTRL_MAGIC.to_ne_bytes(), std::mem::offset_of!(Control, magic) as u64).unwrap();
+            file.write_all_at(&CTRL_VERSION.to_ne_bytes(), std::mem::offset_of!(Control, version) as u64).unwrap();
+        }
+        rustix::fs::fcntl_add_seals(&file, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL).unwrap();
+        OwnedFd::from(file)
+    }
+
+    #[test]
+    fn a_control_page_maps_only_when_stamped_sealed_and_whole() {
+        let page = ControlMap::new(control_memfd(CTRL_BYTES, true)).unwrap();
+        assert!(page.is_mapped_here() && page.control().is_valid());
+        let err = ControlMap::new(control_memfd(CTRL_BYTES, false)).unwrap_err();
+        assert!(err.to_string().contains("another magic or version"), "{err}");
+        let err = ControlMap::new(control_memfd(CTRL_BYTES - 4096, true)).unwrap_err();
+        assert!(err.to_string().contains(&format!("expects {CTRL_BYTES}")), "{err}");
+    }
 }

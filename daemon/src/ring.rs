@@ -24,7 +24,7 @@ use memmap2::MmapMut;
 use rustix::fs::{MemfdFlags, SealFlags};
 use stoker_data::source::FieldOut;
 use stoker_proto::ctrl::{CTRL_BYTES, Control};
-use stoker_proto::{BatchLayout, RING_LAYOUT_VERSION, RING_MAGIC};
+use stoker_proto::{BatchLayout, RingHeader};
 
 /// A stream's shared-memory ring.
 #[derive(Debug)]
@@ -60,10 +60,8 @@ impl Ring {
         // sent; its size is fixed (sealed below, before any client sees it), so
         // the mapping never outlives the file's extent.
         let mut map = unsafe { MmapMut::map_mut(&file)? };
-        map[..8].copy_from_slice(&RING_MAGIC.to_le_bytes());
-        map[8..12].copy_from_slice(&RING_LAYOUT_VERSION.to_le_bytes());
-        map[12..16].copy_from_slice(&depth.to_le_bytes());
-        map[16..24].copy_from_slice(&layout.slot_bytes.to_le_bytes());
+        // The rest of the header page stays zero (a fresh memfd reads as zeros).
+        map[..RingHeader::BYTES].copy_from_slice(&RingHeader::new(layout, depth).to_bytes());
         let fd = OwnedFd::from(file);
         rustix::fs::fcntl_add_seals(
             &fd,
@@ -350,6 +348,16 @@ mod tests {
         let layout = &ring.layout;
         let at = (layout.slot_offset(1) + 2 * 12) as usize;
         assert_eq!(&ring.map[at..at + 12], &[7u8; 12]);
-        assert_eq!(u64::from_le_bytes(ring.map[..8].try_into().unwrap()), RING_MAGIC);
+    }
+
+    #[test]
+    fn the_header_says_what_the_ring_holds() {
+        let ring = ring();
+        let header = RingHeader::from_bytes(ring.map.first_chunk().unwrap());
+        assert_eq!(header, RingHeader::new(&ring.layout, 2));
+        header.check(&ring.layout, 2).unwrap();
+        ring.layout.check_segment(2, ring.bytes()).unwrap();
+        assert_eq!(&ring.map[..8], b"STOKRING");
+        assert!(ring.map[RingHeader::BYTES..ring.layout.header_bytes() as usize].iter().all(|&b| b == 0));
     }
 }

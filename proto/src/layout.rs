@@ -1,8 +1,8 @@
 //! Where a batch's fields lie inside a ring slot.
 //!
 //! A stream's shared memory is one sealed memfd: a [`RING_HEADER_BYTES`]
-//! header page (magic, layout version, depth, slot size; see
-//! [`BatchLayout::header_bytes`]) followed by `depth` slots of
+//! header page (a [`RingHeader`]: magic, layout version, depth, slot size;
+//! the rest of the page is zero) followed by `depth` slots of
 //! [`BatchLayout::slot_bytes`] each. Inside a slot the layout is field-major:
 //! each field is one C-contiguous `[batch_size, *shape]` array starting at a
 //! [`FIELD_ALIGN`]-aligned offset, so it becomes a numpy array without a copy.
@@ -30,6 +30,166 @@ pub const RING_HEADER_BYTES: u64 = 4096;
 pub const FIELD_ALIGN: u64 = 64;
 /// Alignment of slot starts (a page, so slots can be registered and advised separately).
 pub const SLOT_ALIGN: u64 = 4096;
+
+/// The header at the start of every ring segment, the one description of its
+/// bytes: the daemon writes [`RingHeader::to_bytes`] at offset 0, the client
+/// reads [`RingHeader::from_bytes`] and checks it with [`RingHeader::check`].
+/// The fields lie at this type's `#[repr(C)]` offsets (pinned by the
+/// assertions below), each stored little-endian; the rest of the
+/// [`RING_HEADER_BYTES`] page is zero. Any change to it bumps
+/// [`RING_LAYOUT_VERSION`].
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingHeader {
+    /// [`RING_MAGIC`].
+    pub magic: u64,
+    /// [`RING_LAYOUT_VERSION`].
+    pub version: u32,
+    /// Slots in the segment (1 for an extra segment).
+    pub depth: u32,
+    /// Bytes per slot ([`BatchLayout::slot_bytes`]).
+    pub slot_bytes: u64,
+}
+
+// The segment layout of version 1 (`docs/protocol.md`): any change here is a
+// new RING_LAYOUT_VERSION.
+const _: () = {
+    use std::mem::{align_of, offset_of, size_of};
+    assert!(RING_LAYOUT_VERSION == 1);
+    assert!(offset_of!(RingHeader, magic) == 0);
+    assert!(offset_of!(RingHeader, version) == 8);
+    assert!(offset_of!(RingHeader, depth) == 12);
+    assert!(offset_of!(RingHeader, slot_bytes) == 16);
+    assert!(size_of::<RingHeader>() == 24, "no padding, nothing else");
+    assert!(align_of::<RingHeader>() == 8);
+    assert!(RingHeader::BYTES as u64 <= RING_HEADER_BYTES);
+    assert!(RING_HEADER_BYTES.is_multiple_of(SLOT_ALIGN), "slot 0 starts aligned");
+};
+
+impl RingHeader {
+    /// Bytes of the header proper at the start of the header page.
+    pub const BYTES: usize = std::mem::size_of::<RingHeader>();
+
+    /// The header of a segment of `depth` slots of `layout`.
+    pub fn new(layout: &BatchLayout, depth: u32) -> RingHeader {
+        RingHeader { magic: RING_MAGIC, version: RING_LAYOUT_VERSION, depth, slot_bytes: layout.slot_bytes }
+    }
+
+    /// The header as stored at the start of the segment.
+    pub fn to_bytes(self) -> [u8; RingHeader::BYTES] {
+        let RingHeader { magic, version, depth, slot_bytes } = self;
+        let mut out = [0u8; RingHeader::BYTES];
+        put(&mut out, std::mem::offset_of!(RingHeader, magic), magic.to_le_bytes());
+        put(&mut out, std::mem::offset_of!(RingHeader, version), version.to_le_bytes());
+        put(&mut out, std::mem::offset_of!(RingHeader, depth), depth.to_le_bytes());
+        put(&mut out, std::mem::offset_of!(RingHeader, slot_bytes), slot_bytes.to_le_bytes());
+        out
+    }
+
+    /// Reads a header from the first [`RingHeader::BYTES`] bytes of a segment
+    /// (any bytes are some header; [`RingHeader::check`] says whether it is
+    /// the expected one).
+    pub fn from_bytes(bytes: &[u8; RingHeader::BYTES]) -> RingHeader {
+        RingHeader {
+            magic: u64::from_le_bytes(get(bytes, std::mem::offset_of!(RingHeader, magic))),
+            version: u32::from_le_bytes(get(bytes, std::mem::offset_of!(RingHeader, version))),
+            depth: u32::from_le_bytes(get(bytes, std::mem::offset_of!(RingHeader, depth))),
+            slot_bytes: u64::from_le_bytes(get(bytes, std::mem::offset_of!(RingHeader, slot_bytes))),
+        }
+    }
+
+    /// Checks a header read from a segment: this build's magic and layout
+    /// version, and the `depth` and slot size the stream was opened with.
+    pub fn check(&self, layout: &BatchLayout, depth: u32) -> Result<(), RingError> {
+        if self.magic != RING_MAGIC {
+            return Err(RingError::Magic { found: self.magic });
+        }
+        if self.version != RING_LAYOUT_VERSION {
+            return Err(RingError::Version { found: self.version });
+        }
+        let want = RingHeader::new(layout, depth);
+        if (self.depth, self.slot_bytes) != (want.depth, want.slot_bytes) {
+            return Err(RingError::Geometry {
+                depth: self.depth,
+                slot_bytes: self.slot_bytes,
+                want_depth: want.depth,
+                want_slot_bytes: want.slot_bytes,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Writes `value` at `at` (inside the header: the assertions above).
+fn put<const N: usize>(out: &mut [u8; RingHeader::BYTES], at: usize, value: [u8; N]) {
+    out[at..][..N].copy_from_slice(&value);
+}
+
+/// The `N` bytes at `at` (inside the header: the assertions above).
+fn get<const N: usize>(bytes: &[u8; RingHeader::BYTES], at: usize) -> [u8; N] {
+    *bytes[at..].first_chunk().expect("a header field lies inside the header")
+}
+
+/// A ring segment that is not the one a stream's reply describes: another
+/// build's (or no) ring, or a layout whose fields do not fit its slots.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RingError {
+    /// The segment does not start with [`RING_MAGIC`].
+    #[error(
+        "the shared-memory segment is not a stoker ring (magic {found:#018x}, expected {RING_MAGIC:#018x}, \
+         \"STOKRING\"); client and daemon versions differ, or the daemon is not stoker's"
+    )]
+    Magic {
+        /// The first eight bytes, little-endian.
+        found: u64,
+    },
+    /// The segment has another [`RING_LAYOUT_VERSION`].
+    #[error(
+        "the shared-memory ring has layout version {found}, this client reads version {RING_LAYOUT_VERSION} \
+         (client and daemon versions differ)"
+    )]
+    Version {
+        /// The version found.
+        found: u32,
+    },
+    /// The header's depth or slot size is not the stream's.
+    #[error(
+        "the shared-memory ring holds {depth} slots of {slot_bytes} bytes, the stream was opened with \
+         {want_depth} slots of {want_slot_bytes} bytes"
+    )]
+    Geometry {
+        /// Slots, by the header.
+        depth: u32,
+        /// Slot size, by the header.
+        slot_bytes: u64,
+        /// Slots, by the stream's reply.
+        want_depth: u32,
+        /// Slot size, by the stream's layout.
+        want_slot_bytes: u64,
+    },
+    /// The segment is shorter than the header page and its slots.
+    #[error(
+        "the shared-memory ring is {len} bytes; its header page and {depth} slots of {slot_bytes} bytes need {}",
+        show_size(*need, "")
+    )]
+    TooShort {
+        /// Bytes of the segment.
+        len: u64,
+        /// Slots expected.
+        depth: u32,
+        /// Bytes per slot.
+        slot_bytes: u64,
+        /// Bytes needed (`None`: more than 64 bits hold).
+        need: Option<u64>,
+    },
+    /// The layout is not one [`BatchLayout::new`] makes: a field lies
+    /// (partly) outside its slot or is misaligned.
+    #[error("the stream's layout {problem} (client and daemon versions differ, or the daemon is not stoker's)")]
+    Layout {
+        /// What is wrong, naming the field.
+        problem: String,
+    },
+}
 
 /// Element type of a field, always delivered in the host's native byte order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -61,32 +221,80 @@ pub enum DType {
 }
 
 impl DType {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
+    /// Every element type.
+    pub const ALL: [DType; 12] = [
+        DType::Bool,
+        DType::U8,
+        DType::U16,
+        DType::U32,
+        DType::U64,
+        DType::I8,
+        DType::I16,
+        DType::I32,
+        DType::I64,
+        DType::F16,
+        DType::F32,
+        DType::F64,
+    ];
+
+    /// The one table of numpy spellings and sizes: numpy's name, numpy's type
+    /// code (`dtype.str` without its byte-order character: kind, then bytes)
+    /// and the bytes per element. Every other spelling derives from it.
+    const fn numpy(self) -> (&'static str, &'static str, usize) {
         match self {
-            DType::Bool | DType::U8 | DType::I8 => 1,
-            DType::U16 | DType::I16 | DType::F16 => 2,
-            DType::U32 | DType::I32 | DType::F32 => 4,
-            DType::U64 | DType::I64 | DType::F64 => 8,
+            DType::Bool => ("bool", "b1", 1),
+            DType::U8 => ("uint8", "u1", 1),
+            DType::U16 => ("uint16", "u2", 2),
+            DType::U32 => ("uint32", "u4", 4),
+            DType::U64 => ("uint64", "u8", 8),
+            DType::I8 => ("int8", "i1", 1),
+            DType::I16 => ("int16", "i2", 2),
+            DType::I32 => ("int32", "i4", 4),
+            DType::I64 => ("int64", "i8", 8),
+            DType::F16 => ("float16", "f2", 2),
+            DType::F32 => ("float32", "f4", 4),
+            DType::F64 => ("float64", "f8", 8),
         }
     }
 
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        self.numpy().2
+    }
+
     /// numpy's name for this type (`np.dtype(name)` gives the native-endian dtype).
-    pub fn numpy_name(self) -> &'static str {
-        match self {
-            DType::Bool => "bool",
-            DType::U8 => "uint8",
-            DType::U16 => "uint16",
-            DType::U32 => "uint32",
-            DType::U64 => "uint64",
-            DType::I8 => "int8",
-            DType::I16 => "int16",
-            DType::I32 => "int32",
-            DType::I64 => "int64",
-            DType::F16 => "float16",
-            DType::F32 => "float32",
-            DType::F64 => "float64",
+    pub const fn numpy_name(self) -> &'static str {
+        self.numpy().0
+    }
+
+    /// numpy's type code without byte order (`"f4"`, `"u1"`, `"b1"`): what
+    /// follows `<`, `>`, `=` or `|` in `dtype.str` and the array interface's `typestr`.
+    pub const fn type_code(self) -> &'static str {
+        self.numpy().1
+    }
+
+    /// numpy's `dtype.kind`: `'b'` (bool), `'u'`, `'i'` or `'f'`.
+    pub const fn numpy_kind(self) -> char {
+        self.type_code().as_bytes()[0] as char
+    }
+
+    /// The type numpy calls `name` (`"float32"`), if stoker serves it.
+    pub fn from_numpy_name(name: &str) -> Option<DType> {
+        DType::ALL.into_iter().find(|d| d.numpy_name() == name)
+    }
+
+    /// The type of a type code without byte order (`"f4"`; `"?"` is numpy's
+    /// character for bool), if stoker serves it.
+    pub fn from_type_code(code: &str) -> Option<DType> {
+        if code == "?" {
+            return Some(DType::Bool);
         }
+        DType::ALL.into_iter().find(|d| d.type_code() == code)
+    }
+
+    /// The type written either way (`"float32"` or `"f4"`), if stoker serves it.
+    pub fn from_numpy(s: &str) -> Option<DType> {
+        DType::from_numpy_name(s).or_else(|| DType::from_type_code(s))
     }
 }
 
@@ -349,6 +557,52 @@ impl BatchLayout {
     pub fn ring_bytes(&self, depth: u32) -> u64 {
         self.checked_ring_bytes(depth).unwrap_or(u64::MAX)
     }
+
+    /// Checks that a segment of `len` bytes holds the header page and `depth`
+    /// slots of this layout, and that every field lies aligned inside a slot:
+    /// what a client checks of a layout the daemon sent before reading a
+    /// segment by it ([`BatchLayout::new`] makes only such layouts).
+    pub fn check_segment(&self, depth: u32, len: u64) -> Result<(), RingError> {
+        let need = self.checked_ring_bytes(depth);
+        if need.is_none_or(|need| len < need) {
+            return Err(RingError::TooShort { len, depth, slot_bytes: self.slot_bytes, need });
+        }
+        let bad = |problem: String| Err(RingError::Layout { problem });
+        if !self.slot_bytes.is_multiple_of(SLOT_ALIGN) {
+            return bad(format!("has slots of {} bytes, not a multiple of {SLOT_ALIGN}", self.slot_bytes));
+        }
+        // End of `batch_size` rows of `stride` bytes from `at`.
+        let rows_end = |at: u64, stride: u64| stride.checked_mul(self.batch_size)?.checked_add(at);
+        for field in &self.fields {
+            let name = &field.name;
+            let (data, end) = match field.ragged {
+                None => (field.offset, rows_end(field.offset, field.sample_bytes())),
+                Some(r) => {
+                    let table_end = field.offset.checked_add(field.shape_table_bytes(self.batch_size));
+                    if table_end.is_none_or(|end| end > r.data_offset) {
+                        return bad(format!("puts field {name:?}'s rows inside its shape table"));
+                    }
+                    if !r.row_stride.is_multiple_of(FIELD_ALIGN) {
+                        return bad(format!(
+                            "spaces field {name:?}'s rows {} bytes apart, not a multiple of {FIELD_ALIGN}",
+                            r.row_stride
+                        ));
+                    }
+                    (r.data_offset, rows_end(r.data_offset, r.row_stride))
+                }
+            };
+            if !field.offset.is_multiple_of(FIELD_ALIGN) || !data.is_multiple_of(FIELD_ALIGN) {
+                return bad(format!("puts field {name:?} at offset {data}, not {FIELD_ALIGN}-byte aligned"));
+            }
+            if end.is_none_or(|end| end > self.slot_bytes) {
+                return bad(format!(
+                    "lets field {name:?} end past its slot of {} bytes ({} rows from offset {data})",
+                    self.slot_bytes, self.batch_size
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -472,10 +726,94 @@ mod tests {
                             }
                             assert!(end <= layout.slot_bytes);
                             assert!(layout.checked_ring_bytes(1024).is_some() || limits == none);
+                            if let Some(len) = layout.checked_ring_bytes(2) {
+                                layout.check_segment(2, len).unwrap();
+                            }
                         }
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn the_header_bytes_are_version_1s() {
+        let layout = BatchLayout { batch_size: 1, slot_bytes: 0x1234_5000, fields: vec![] };
+        let header = RingHeader::new(&layout, 7);
+        let bytes = header.to_bytes();
+        // magic "STOKRING", version 1 (u32 LE), depth (u32 LE), slot_bytes (u64 LE): docs/protocol.md.
+        let mut want = b"STOKRING".to_vec();
+        want.extend([1, 0, 0, 0, 7, 0, 0, 0, 0, 0x50, 0x34, 0x12, 0, 0, 0, 0]);
+        assert_eq!(bytes.as_slice(), want.as_slice());
+        assert_eq!(RingHeader::from_bytes(&bytes), header);
+        header.check(&layout, 7).unwrap();
+    }
+
+    #[test]
+    fn a_foreign_header_is_refused_by_what_differs() {
+        let layout = BatchLayout { batch_size: 1, slot_bytes: 4096, fields: vec![] };
+        let good = RingHeader::new(&layout, 2);
+        let zeros = RingHeader::from_bytes(&[0; RingHeader::BYTES]);
+        assert_eq!(zeros.check(&layout, 2), Err(RingError::Magic { found: 0 }));
+        let err = RingHeader { version: 2, ..good }.check(&layout, 2).unwrap_err();
+        assert_eq!(err, RingError::Version { found: 2 });
+        assert!(err.to_string().contains("layout version 2") && err.to_string().contains("version 1"), "{err}");
+        let err = good.check(&layout, 3).unwrap_err();
+        assert!(matches!(err, RingError::Geometry { depth: 2, want_depth: 3, .. }), "{err:?}");
+        let other = BatchLayout { slot_bytes: 8192, ..layout.clone() };
+        assert!(matches!(good.check(&other, 2), Err(RingError::Geometry { slot_bytes: 4096, .. })));
+        // A big-endian writer's header is not this one.
+        let mut swapped = good.to_bytes();
+        swapped[..8].reverse();
+        assert!(matches!(RingHeader::from_bytes(&swapped).check(&layout, 2), Err(RingError::Magic { .. })));
+    }
+
+    #[test]
+    fn segments_and_layouts_that_do_not_fit_are_refused() {
+        let layout = BatchLayout::new(
+            3,
+            [decl("a", DType::F32, vec![5], None), decl("img", DType::U8, vec![0, 0, 3], Some(100))],
+            &LayoutLimits::DEFAULT,
+        )
+        .unwrap();
+        let len = layout.ring_bytes(2);
+        layout.check_segment(2, len).unwrap();
+        layout.check_segment(2, len + 1).unwrap();
+        assert!(matches!(layout.check_segment(2, len - 1), Err(RingError::TooShort { need: Some(n), .. }) if n == len));
+        assert!(matches!(layout.check_segment(3, len), Err(RingError::TooShort { .. })));
+        let huge = BatchLayout { slot_bytes: u64::MAX / 2, ..layout.clone() };
+        assert!(matches!(huge.check_segment(4, u64::MAX), Err(RingError::TooShort { need: None, .. })));
+        let refused = |edit: &dyn Fn(&mut BatchLayout), needle: &str| {
+            let mut bad = layout.clone();
+            edit(&mut bad);
+            let err = bad.check_segment(1, u64::MAX).unwrap_err();
+            assert!(matches!(err, RingError::Layout { .. }) && err.to_string().contains(needle), "{needle}: {err}");
+        };
+        refused(&|l| l.slot_bytes += 64, "not a multiple of 4096");
+        refused(&|l| l.fields[0].offset = l.slot_bytes, "\"a\" end past its slot");
+        refused(&|l| l.fields[0].offset = 8, "\"a\" at offset 8");
+        refused(&|l| l.fields[0].shape = vec![u64::MAX], "\"a\" end past its slot");
+        refused(&|l| l.fields[1].ragged.as_mut().unwrap().data_offset = l.fields[1].offset, "inside its shape table");
+        refused(&|l| l.fields[1].ragged.as_mut().unwrap().row_stride = 100, "100 bytes apart");
+        refused(&|l| l.fields[1].ragged.as_mut().unwrap().row_stride = l.slot_bytes, "\"img\" end past its slot");
+        refused(&|l| l.batch_size = 1 << 40, "end past its slot");
+    }
+
+    #[test]
+    fn numpy_spellings_come_from_one_table() {
+        for d in DType::ALL {
+            let code = d.type_code();
+            assert_eq!(code, format!("{}{}", d.numpy_kind(), d.size()));
+            assert_eq!(DType::from_numpy_name(d.numpy_name()), Some(d));
+            assert_eq!(DType::from_type_code(code), Some(d));
+            assert_eq!((DType::from_numpy(d.numpy_name()), DType::from_numpy(code)), (Some(d), Some(d)));
+            assert_eq!(d.to_string(), d.numpy_name());
+        }
+        assert_eq!(DType::ALL.iter().map(|d| d.numpy_name()).collect::<std::collections::HashSet<_>>().len(), 12);
+        assert_eq!(DType::from_type_code("?"), Some(DType::Bool));
+        assert_eq!((DType::F16.numpy_kind(), DType::Bool.numpy_kind(), DType::I8.size()), ('f', 'b', 1));
+        for bad in ["", "f4 ", "<f4", "complex64", "float", "u3", "Float32", "object"] {
+            assert_eq!(DType::from_numpy(bad), None, "{bad:?}");
         }
     }
 

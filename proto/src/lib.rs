@@ -17,7 +17,8 @@ mod steps;
 pub use hdf5::{FieldPaths, Hdf5Dataset, Hdf5Problem, WindowDef};
 pub use layout::{
     BatchLayout, DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_SAMPLE_BYTES, DType, FIELD_ALIGN, FieldDecl, FieldLayout,
-    LayoutError, LayoutLimits, RING_HEADER_BYTES, RING_LAYOUT_VERSION, RING_MAGIC, Ragged, SLOT_ALIGN,
+    LayoutError, LayoutLimits, RING_HEADER_BYTES, RING_LAYOUT_VERSION, RING_MAGIC, Ragged, RingError, RingHeader,
+    SLOT_ALIGN,
 };
 pub use message::BlockShuffle;
 pub use message::{
