@@ -67,38 +67,11 @@ impl Step {
     }
 }
 
-/// A dtype named as numpy names it (`"float32"`) or by its short code (`"f4"`).
+/// A dtype named as numpy names it (`"float32"`) or by its type code
+/// (`"f4"`), from proto's one dtype table.
 fn parse_dtype(name: &str) -> Result<DType, String> {
-    let all = [
-        DType::Bool,
-        DType::U8,
-        DType::U16,
-        DType::U32,
-        DType::U64,
-        DType::I8,
-        DType::I16,
-        DType::I32,
-        DType::I64,
-        DType::F16,
-        DType::F32,
-        DType::F64,
-    ];
-    let short = |d: DType| match d {
-        DType::Bool => "?",
-        DType::U8 => "u1",
-        DType::U16 => "u2",
-        DType::U32 => "u4",
-        DType::U64 => "u8",
-        DType::I8 => "i1",
-        DType::I16 => "i2",
-        DType::I32 => "i4",
-        DType::I64 => "i8",
-        DType::F16 => "f2",
-        DType::F32 => "f4",
-        DType::F64 => "f8",
-    };
-    all.into_iter().find(|&d| d.numpy_name() == name || short(d) == name).ok_or_else(|| {
-        let names: Vec<&str> = all.iter().map(|d| d.numpy_name()).collect();
+    DType::from_numpy(name).ok_or_else(|| {
+        let names: Vec<&str> = DType::ALL.iter().map(|d| d.numpy_name()).collect();
         format!("cast to {name:?}: use one of {names:?}")
     })
 }
