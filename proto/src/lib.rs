@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 
 pub mod ctrl;
+pub mod hash;
 mod hdf5;
 mod layout;
 mod message;

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
+use stoker_proto::hash::Fnv1a;
 use stoker_proto::{DatasetInfo, DatasetRef, DatasetStatus, ErrorKind, Generation, LmdbDataset, Rescan};
 
 use crate::config::{DatasetConfig, Settings};
@@ -180,18 +181,10 @@ impl Datasets {
         }
         // HDF5: the files as matched, with their identities (and those of
         // statistics files); LMDB: the key list (set below, once listed).
-        let mut list = Fnv::default();
-        if let Files::Hdf5(checked) = &files {
-            for file in checked {
-                list.write(file.path.as_os_str().as_encoded_bytes());
-            }
-            for id in &ids {
-                for word in [id.dev, id.ino, id.size] {
-                    list.write(&word.to_le_bytes());
-                }
-                list.write(&id.mtime_ns.to_le_bytes());
-            }
-        }
+        let mut list = match &files {
+            Files::Hdf5(checked) => files_fingerprint(checked.iter().map(|f| f.path.as_path()), &ids),
+            Files::Lmdb(..) => Fnv1a::default(),
+        };
         let file_count = match &files {
             Files::Hdf5(checked) => checked.len() as u64,
             Files::Lmdb(checked, _) => checked.envs.len() as u64,
@@ -211,10 +204,7 @@ impl Datasets {
             }
             (Resolved::Lmdb(spec), Files::Lmdb(checked, _)) => {
                 let source = LmdbSource::open_checked(&spec, &checked).map_err(WireError::from)?.with_cache(cache);
-                for key in source.keys() {
-                    list.write(&(key.len() as u64).to_le_bytes());
-                    list.write(key);
-                }
+                list = keys_fingerprint(source.keys());
                 Arc::new(source)
             }
             // `open_files` answers in the format it was asked; a mismatch is a
@@ -226,7 +216,7 @@ impl Datasets {
                 ));
             }
         };
-        let generation = Generation { fingerprint: list.0, files: file_count, samples: source.len() };
+        let generation = Generation { fingerprint: list.finish(), files: file_count, samples: source.len() };
         tracing::info!(dataset = %label, samples = source.len(), files = file_count, generation = %format_args!("{:016x}", generation.fingerprint), "opened dataset");
         let opened = Opened { label, source, fingerprint, rescan, generation };
         let mut open = self.lock();
@@ -458,23 +448,32 @@ fn open_files(resolved: &Resolved, roots: Option<&[PathBuf]>) -> Result<Files, S
     }
 }
 
-/// 64-bit FNV-1a: a dataset generation's fingerprint. Stable across builds
-/// and Rust versions (unlike `DefaultHasher`), so a loader's saved state
-/// compares with a later daemon's.
-struct Fnv(u64);
-
-impl Default for Fnv {
-    fn default() -> Fnv {
-        Fnv(0xcbf2_9ce4_8422_2325)
+/// An HDF5 generation's fingerprint: the files as matched (`paths`, in
+/// order) and the identities of the files read (`ids`: the data files, then
+/// statistics files). Loader state records it, so its value must not change
+/// between versions for the same files (pinned by a golden test).
+fn files_fingerprint<'a>(paths: impl Iterator<Item = &'a Path>, ids: &[FileId]) -> Fnv1a {
+    let mut list = Fnv1a::default();
+    for path in paths {
+        list.write(path.as_os_str().as_encoded_bytes());
     }
+    for id in ids {
+        for word in [id.dev, id.ino, id.size] {
+            list.write(&word.to_le_bytes());
+        }
+        list.write(&id.mtime_ns.to_le_bytes());
+    }
+    list
 }
 
-impl Fnv {
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
-        }
+/// An LMDB generation's fingerprint: the key list, each key length-prefixed.
+fn keys_fingerprint<'a>(keys: impl Iterator<Item = &'a [u8]>) -> Fnv1a {
+    let mut list = Fnv1a::default();
+    for key in keys {
+        list.write(&(key.len() as u64).to_le_bytes());
+        list.write(key);
     }
+    list
 }
 
 fn duplicate<'a>(names: impl Iterator<Item = &'a str>) -> Option<&'a str> {
@@ -594,3 +593,6 @@ pub fn load_stats<'a>(
     }
     Ok(ids)
 }
+
+#[cfg(test)]
+mod tests;
