@@ -15,7 +15,7 @@ cargo test --release --locked -p stoker-client --features cuda --lib cuda
 
 echo "==> pytest"
 set +e
-STOKER_BIN="$PWD/target/release/stoker" .venv/bin/python -m pytest -q client-py/tests "$@"
+STOKER_BIN="$PWD/target/release/stoker" .venv/bin/python -m pytest -q --durations=25 client-py/tests "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected no tests: that is a broken suite, not a pass.

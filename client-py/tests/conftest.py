@@ -21,9 +21,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable
 
 import h5py
 import numpy as np
@@ -412,6 +413,34 @@ def stop_process(pid: int) -> None:
             return
         time.sleep(0.01)
     raise AssertionError(f"daemon {pid} did not stop")
+
+
+def wait_until_blocked(proc: subprocess.Popen[str], what: str, timeout: float = 30, looks: int = 5) -> None:
+    """Wait until the main thread of `proc` sleeps in the kernel (state S) on
+    `looks` consecutive looks: a client that took the batches already in its
+    ring and now waits in next() for a daemon that cannot answer (the wait
+    sleeps on a futex, waking every 50 ms to run signal handlers). Taking a
+    waiting batch makes no blocking system call, so it is not mistaken for
+    the wait. Fails naming `what` if that does not happen within `timeout`."""
+    streak = 0
+
+    def blocked() -> bool:
+        nonlocal streak
+        if proc.poll() is not None:
+            return True  # reported below
+        try:
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True  # exited meanwhile
+        streak = streak + 1 if state == "S" else 0
+        return streak >= looks
+
+    poll(blocked, timeout=timeout, interval=0.02)
+    if proc.poll() is not None:
+        _, err = proc.communicate(timeout=SUBPROCESS_TIMEOUT_S)
+        pytest.fail(f"{what}: the process exited ({proc.returncode}) instead of waiting\nstderr:\n{err}")
+    assert streak >= looks, f"{what}: the process did not settle into a wait within {timeout} s"
 
 
 class Hung(Exception):

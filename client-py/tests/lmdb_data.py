@@ -17,8 +17,9 @@ from __future__ import annotations
 import io
 import struct
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping, Union
+from typing import Union
 
 import lmdb
 import numpy as np

@@ -16,7 +16,6 @@ from typing import Any
 
 import h5py
 import numpy as np
-import pytest
 
 from lmdb_data import key, noise, png_of, write_env
 

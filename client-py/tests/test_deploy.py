@@ -18,8 +18,8 @@ import socket as pysocket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -432,4 +432,4 @@ def test_prolog_starts_a_daemon_without_systemd_and_is_idempotent(short_dir: Pat
         for pid in set(pids):
             os.kill(pid, signal.SIGTERM)
         for pid in set(pids):
-            poll(lambda: gone(pid), TIMEOUT_S)
+            poll(lambda pid=pid: gone(pid), TIMEOUT_S)

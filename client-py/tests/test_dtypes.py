@@ -66,7 +66,7 @@ def test_every_dtype_layout_and_byte_order_matches_h5py(start_daemon, stoker, tm
 
     daemon = start_daemon()
     loader = stoker.Loader(stoker.hdf5(str(root / "*.h5"), fields=fields), batch_size=8, seed=3, socket=daemon.socket)
-    for name, h5path in fields.items():
+    for name in fields:
         assert loader.fields[name][0] == ref[name].dtype.newbyteorder("="), name
     seen = []
     for batch in loader:

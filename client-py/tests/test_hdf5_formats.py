@@ -12,15 +12,16 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import h5py
 import hdf5plugin
 import numpy as np
 import pytest
 
-from conftest import Daemon, SUBPROCESS_TIMEOUT_S, assert_names, make_config, stoker_bin
+from conftest import SUBPROCESS_TIMEOUT_S, Daemon, assert_names, make_config, stoker_bin
 
 N = 12
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_names
-from lmdb_data import key, write_env, png_of, noise
+from lmdb_data import key, noise, png_of, write_env
 from test_lmdb import idx_env, rows, run_epoch, upscale4
 
 

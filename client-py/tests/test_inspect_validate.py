@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import tomllib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,6 +18,7 @@ import h5py
 import lmdb
 import numpy as np
 import pytest
+import tomllib
 
 from conftest import SUBPROCESS_TIMEOUT_S, make_config, stoker_bin
 from lmdb_data import noise, npy_bytes, pil_decode, png_of, write_env

@@ -21,9 +21,8 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import assert_names, Daemon, H5Data, make_config, stoker_bin
+from conftest import Daemon, H5Data, assert_names, make_config, stoker_bin
 from lmdb_data import key, noise, npy_bytes, png_of, write_env
-
 
 # --------------------------------------------------------------------------
 # Helpers

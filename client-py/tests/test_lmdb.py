@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import subprocess
 import sys
 import textwrap
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable
 
 import lz4.block
 import lz4.frame
@@ -27,7 +27,7 @@ import pytest
 import zstandard
 from PIL import Image, ImageCms, JpegImagePlugin, PngImagePlugin
 
-from conftest import assert_names, realpaths, SUBPROCESS_TIMEOUT_S
+from conftest import SUBPROCESS_TIMEOUT_S, assert_names, realpaths
 from lmdb_data import (
     hand_png,
     image_of,
@@ -102,10 +102,10 @@ def find_crops(src: np.ndarray, crop: np.ndarray, *, mirrored: bool = False) -> 
     h, w = crop.shape[:2]
     want = crop[:, ::-1] if mirrored else crop
     return [
-        (t, l)
+        (t, left)
         for t in range(src.shape[0] - h + 1)
-        for l in range(src.shape[1] - w + 1)
-        if np.array_equal(src[t : t + h, l : l + w], want)
+        for left in range(src.shape[1] - w + 1)
+        if np.array_equal(src[t : t + h, left : left + w], want)
     ]
 
 
@@ -797,7 +797,7 @@ def test_random_crop_and_flip(stoker: Any, start_daemon: Callable[..., Any], tmp
         i = int(r["idx"])
         found = find_crops(imgs[i], r["rc"])
         assert found, f"sample {i}: the 8×9 crop is not a window of the image at any offset"
-        assert all(0 <= t <= 8 and 0 <= l <= 7 for t, l in found)
+        assert all(0 <= t <= 8 and 0 <= left <= 7 for t, left in found)
         offsets[found[0]] += 1
         src = flip_imgs[i]
         plain, mirrored = np.array_equal(r["hf"], src), np.array_equal(r["hf"], src[:, ::-1])
@@ -879,14 +879,14 @@ def bad_datasets(tmp_path: Path, n: int) -> dict[str, Any]:
     imgs = [noise(16, 16, 3, seed=i) for i in range(n)]
     pngs = [png_of(a) for a in imgs]
     bad_png = corrupt_png(pngs[5])
-    with pytest.raises(Exception):
-        Image.open(io.BytesIO(bad_png)).load()  # Pillow refuses it too
+    with pytest.raises(Exception):  # noqa: B017 - however Pillow fails, it refuses it too
+        Image.open(io.BytesIO(bad_png)).load()
     arrs = [np.random.default_rng(i).standard_normal((4, 5)).astype(np.float32) for i in range(n)]
     npys = [npy_bytes(a) for a in arrs]
     jpgs = [jpeg_bytes(image_of(photo(48, 64, 3, seed=i)), quality=90) for i in range(n)]
     # Cut inside the entropy-coded data (the headers are intact: probing at open succeeds).
     assert b"\xff\xda" in truncate_jpeg(jpgs[6])
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - however Pillow fails, it refuses it too
         Image.open(io.BytesIO(truncate_jpeg(jpgs[6]))).load()
     odd = noise(17, 16, 3, seed=99)
     cases = {
@@ -1288,8 +1288,8 @@ def test_jpeg_leading_crop_decodes_only_the_window_like_pillow_and_numpy(
         offsets[found[0]] += 1
         windows[i] = r["im"]
         h, w = full[i].shape[:2]
-        t, l = (h - 40) // 2, (w - 40) // 2
-        assert_exact(f"cc[{i}]", r["cc"], full[i][t : t + 40, l : l + 40])
+        t, left = (h - 40) // 2, (w - 40) // 2
+        assert_exact(f"cc[{i}]", r["cc"], full[i][t : t + 40, left : left + 40])
     assert sorted(windows) == list(range(n))
     assert len(offsets) >= n // 2, f"random crop offsets barely vary: {offsets}"
 
@@ -1308,8 +1308,8 @@ def test_jpeg_leading_crop_decodes_only_the_window_like_pillow_and_numpy(
         assert any(outcomes), f"sample {i}: neither the window nor its mirror, normalized"
         flips[outcomes[1]] += 1
         h, w = full[i].shape[:2]
-        t, l = (h - 40) // 2, (w - 40) // 2
-        cc = full[i][t : t + 40, l : l + 40]
+        t, left = (h - 40) // 2, (w - 40) // 2
+        cc = full[i][t : t + 40, left : left + 40]
         up, down = np.array_equal(r["cc"], cc), np.array_equal(r["cc"], cc[::-1])
         assert up or down, f"sample {i}: vflip after center_crop served neither the crop nor its mirror"
         vflips[down] += 1

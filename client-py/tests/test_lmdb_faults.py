@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 
 from conftest import assert_names, realpaths
-
 from lmdb_data import key, npy_bytes, write_env
 
 #: Samples per environment; values of 6000 bytes each span two overflow pages,
@@ -288,7 +287,6 @@ def test_value_pointing_outside_the_file(stoker: Any, start_daemon: Callable[...
     d = start_daemon()
     env, arrs = make_env(tmp_path / "ovpg")
     data = env / "data.mdb"
-    psize = page_size(env)
     raw = bytearray(data.read_bytes())
     # Find the leaf node of key 00000050: node = {lo u16, hi u16, flags u16, ksize u16, key, data};
     # a big value's data is its overflow page number (u64).

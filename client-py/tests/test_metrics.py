@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import Daemon, H5Data
+from conftest import Daemon, H5Data, poll
 
 #: Bytes of one sample of the default dataset: x f32[4, 3], y u8, label i32.
 SAMPLE_BYTES = 4 * 3 * 4 + 1 + 4
@@ -141,7 +141,7 @@ def test_ad_hoc_dataset_paths_are_escaped_labels(
     list(parse_openmetrics(text))  # strict: raises on a malformed label
     m = samples(text)
     labels = {dict(k[1]).get("dataset") for k in m if k[0] == "stoker_dataset_batches_total"}
-    assert any(l and 'odd "name" \\ dir' in l for l in labels), labels
+    assert any(label and 'odd "name" \\ dir' in label for label in labels), labels
     loader.close()
 
 
@@ -203,8 +203,9 @@ def test_slow_and_garbage_clients_do_not_block_scrapes(start_daemon: Callable[..
 
 
 def test_metrics_listen_must_be_an_address(start_daemon: Callable[..., Daemon], tmp_path: Any) -> None:
-    from conftest import stoker_bin
     import subprocess
+
+    from conftest import stoker_bin
 
     config = tmp_path / "bad.toml"
     config.write_text('[metrics]\nlisten = "localhost"\n')
@@ -216,9 +217,8 @@ def test_metrics_listen_must_be_an_address(start_daemon: Callable[..., Daemon], 
 def test_skipped_samples_are_counted_and_kept(
     start_daemon: Callable[..., Daemon], stoker: Any, tmp_path: Any
 ) -> None:
-    import time
-
     import numpy as np
+
     from lmdb_data import key, npy_bytes, write_env
 
     n = 12
@@ -237,10 +237,18 @@ def test_skipped_samples_are_counted_and_kept(
         assert len(values) == 1, values
         return values[0]
 
-    assert skipped(scrape(base)[1]) >= 1
+    def open_files(text: str) -> list[float]:
+        return [v for (name, _), v in samples(text).items() if name == "stoker_dataset_open_files"]
+
+    def closed() -> str | None:
+        text = scrape(base)[1]
+        return text if open_files(text) in ([], [0.0]) else None
+
+    before = scrape(base)[1]
+    assert skipped(before) >= 1
+    assert open_files(before) not in ([], [0.0]), "the LMDB environment is open while a stream reads it"
     loader.close()
-    time.sleep(2.5)  # past [limits] idle_close_s: the source itself is closed
-    after = scrape(base)[1]
+    # The source itself closes [limits] idle_close_s after its last stream.
+    after = poll(closed, timeout=60)
+    assert after is not None, f"the source is still open: {open_files(scrape(base)[1])}"
     assert skipped(after) >= 1, "the count must outlive the source"
-    opened = [v for (name, _), v in samples(after).items() if name == "stoker_dataset_open_files"]
-    assert opened in ([], [0.0]), opened

@@ -11,8 +11,9 @@ import re
 import signal
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 
@@ -236,7 +237,7 @@ def test_status_watch_redraws_until_interrupted(start_daemon) -> None:
                 stdout=f, stderr=subprocess.PIPE, preexec_fn=_die_with_parent,
             )
         try:
-            seen = poll(lambda: frames(out.read_text()) >= 3, timeout=20)
+            seen = poll(lambda frames=frames: frames(out.read_text()) >= 3, timeout=20)
             assert seen, f"fewer than 3 frames of `status {' '.join(args)}`:\n{out.read_text()!r}"
             assert proc.poll() is None, "--watch exited by itself"
         finally:

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -230,6 +229,22 @@ def test_output_other_than_numpy_or_torch_is_a_value_error(stoker, short_tmp) ->
 # ---------------------------------------------------------------------------
 
 
+def test_the_package_re_exports_its_api_and_pickles_name_stoker(stoker) -> None:
+    """The classes live in private modules (`stoker._loader`, `stoker._specs`, ...);
+    users import them from `stoker`, and a pickled Loader names `stoker.Loader`
+    as it did before the split, so pickles load in either version."""
+    for name in stoker.__all__:
+        assert getattr(stoker, name) is not None, name
+    assert set(stoker._errors.__all__) <= set(stoker.__all__)
+    assert (stoker.Loader.__module__, stoker.Loader.__qualname__) == ("stoker", "Loader")
+    assert b"cstoker\nLoader\n" in pickle.dumps(stoker.Loader, protocol=2)  # the GLOBAL opcode
+    assert pickle.loads(b"cstoker\nLoader\n.") is stoker.Loader
+    for name in ("Hdf5Spec", "LmdbSpec", "hdf5", "lmdb", "_EpochSampler"):
+        obj = getattr(stoker, name)
+        assert pickle.loads(pickle.dumps(obj)) is obj, name
+        assert pickle.loads(f"cstoker\n{name}\n.".encode()) is obj, name
+
+
 def test_pickle_round_trip_keeps_config_and_position_and_reconnects_lazily(start_daemon, stoker, data) -> None:
     d = start_daemon(datasets={"train": data})
     kw = dict(batch_size=BATCH, shuffle=True, seed=5, rank=1, world_size=2, socket=d.socket)
@@ -238,6 +253,7 @@ def test_pickle_round_trip_keeps_config_and_position_and_reconnects_lazily(start
 
     loader.set_epoch(2)
     blob = pickle.dumps(loader)
+    assert b"stoker._loader" not in blob
     copy_ = pickle.loads(blob)
     assert copy_._stream is None, "unpickling must not connect"
     assert (copy_.rank, copy_.world_size, copy_.rank_source, copy_.epoch) == (1, 2, "argument", 2)

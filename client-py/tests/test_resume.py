@@ -9,10 +9,9 @@ import sys
 import textwrap
 import time
 
-import numpy as np
 import pytest
 
-from conftest import stop_process
+from conftest import stop_process, wait_until_blocked
 
 
 def _labels(batches) -> list[int]:
@@ -93,7 +92,8 @@ def test_ctrl_c_interrupts_a_wait_and_the_loader_still_works(start_daemon, stoke
             proc.stdin.write("go\n")
             proc.stdin.flush()
             assert proc.stdout.readline().strip() == "iterating"
-            time.sleep(1.0)  # into next(), which cannot return while the daemon is stopped
+            # Into next(), which cannot return while the daemon is stopped.
+            wait_until_blocked(proc, "the client waiting in next() for the stopped daemon")
             proc.send_signal(signal.SIGINT)
             line = proc.stdout.readline().split()
             assert line[:1] == ["interrupted"], proc.stderr.read() if proc.poll() is not None else line

@@ -22,7 +22,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import stop_process
+from conftest import stop_process, wait_until_blocked
 
 BATCH = 4
 
@@ -84,13 +84,12 @@ def block_in_next(d: Any, child: subprocess.Popen[str]) -> None:
     stop_process(d.proc.pid)
     child.stdin.write("go\n")
     child.stdin.flush()
-    # Once it says ITERATING it is about to call next(); give it a moment to
-    # get there (and to take any batch that needs no answer from the daemon).
+    # Once it says ITERATING it is about to call next(); wait until it has
+    # taken any batch that needs no answer from the daemon and waits for one.
     ready, _, _ = select.select([child.stdout], [], [], 30)
     line = child.stdout.readline() if ready else ""
     assert line.strip() == "ITERATING", (line, child.poll())
-    time.sleep(1.0)
-    assert child.poll() is None, child.communicate()
+    wait_until_blocked(child, "the child waiting in next() for the stopped daemon")
 
 
 def streams_of(status: dict[str, Any], pid: int) -> list[dict[str, Any]]:
@@ -266,7 +265,7 @@ def test_forked_child_fails_clearly_or_works(start_daemon, data) -> None:
 
 def _good_file(path: Path, n: int, fields: dict[str, str]) -> None:
     with h5py.File(path, "w") as f:
-        for name, h5path in fields.items():
+        for h5path in fields.values():
             f.create_dataset(h5path, data=np.arange(n * 2, dtype="<f4").reshape(n, 2))
 
 

@@ -148,7 +148,7 @@ def test_lightning_style_fit_loop(start_daemon, stoker, data) -> None:
             assert dl.sampler.epoch == epoch
             n_batches = len(dl)
             seen = []
-            for step, batch in enumerate(dl):
+            for step, batch in enumerate(dl):  # noqa: B007 - the count is checked after the loop
                 x = batch["x"].to(device="cpu", non_blocking=True)
                 x.sub_(mean).div_(std)
                 y = batch["y"].to(device="cpu", non_blocking=True).float()

@@ -423,6 +423,7 @@ def test_inspect_suggests_the_split_constants_and_time_only_fields(start_daemon,
     (each time-varying field as `_in`/`_out`), its per-trajectory, constant
     and time-only fields; the table as printed serves WellDataset's samples."""
     import subprocess
+
     import tomllib
 
     from conftest import SUBPROCESS_TIMEOUT_S, stoker_bin

@@ -10,7 +10,8 @@ round.
 from __future__ import annotations
 
 import gc
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import h5py
 import numpy as np

@@ -4,15 +4,6 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-DEFAULT_SOCKET: str
-SOCKET_ENV: str
-__version__: str
-#: The transform step names, from the daemon's definition (`stoker_proto::TransformDef`).
-TRANSFORM_STEPS: List[str]
-
-def parse_steps(steps: str) -> str:
-    """Checks a JSON list of transform steps (any accepted form); returns it in the daemon's form or raises ValueError."""
-
 from ._errors import (
     AccessDenied as AccessDenied,
     DaemonUnavailable as DaemonUnavailable,
@@ -22,6 +13,17 @@ from ._errors import (
     StokerError as StokerError,
     Timeout as Timeout,
 )
+
+DEFAULT_SOCKET: str
+SOCKET_ENV: str
+__version__: str
+#: The transform step names, from the daemon's definition (`stoker_proto::TransformDef`).
+TRANSFORM_STEPS: List[str]
+
+def parse_steps(steps: str) -> str:
+    """Checks a JSON list of transform steps (any accepted form); returns it in the daemon's form or raises
+    ValueError."""
+
 
 class Lease:
     """Base object of a batch's arrays; the slot is released when it is collected."""
