@@ -20,6 +20,10 @@ __version__: str
 #: The transform step names, from the daemon's definition (`stoker_proto::TransformDef`).
 TRANSFORM_STEPS: List[str]
 
+def check_hdf5(definition: str) -> str:
+    """Checks an HDF5 dataset description (JSON of ``stoker_proto::Hdf5Dataset``) with the daemon's own check;
+    returns it in canonical form or raises ValueError naming the problem."""
+
 def parse_steps(steps: str) -> str:
     """Checks a JSON list of transform steps (any accepted form); returns it in the daemon's form or raises
     ValueError."""

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+from ._native import check_hdf5 as _check_hdf5
 from ._native import parse_steps as _parse_steps
 
 __all__ = ["Hdf5Spec", "LmdbSpec", "hdf5", "lmdb"]
@@ -17,61 +18,19 @@ __all__ = ["Hdf5Spec", "LmdbSpec", "hdf5", "lmdb"]
 
 @dataclass(frozen=True)
 class Hdf5Spec:
-    """An ad-hoc HDF5 dataset: files matching ``files`` (sorted), one HDF5 path per field."""
+    """An ad-hoc HDF5 dataset (see :func:`hdf5`); ``definition`` is the daemon's dataset description
+    (``stoker_proto::Hdf5Dataset``, the shape of a ``[datasets.NAME]`` table of ``format = "hdf5"``)."""
 
-    files: str
-    fields: Mapping[str, str] = field(default_factory=dict)
-    window: Optional[Tuple[int, int]] = None
-    per_item: Tuple[str, ...] = ()
-    #: The Well's sampling (``stoker_proto::Hdf5Sampling`` as JSON), or None.
-    sampling: Optional[str] = None
-    #: JSON list of ``FieldTransforms`` (field, steps, pair, spatial_axes), checked by :func:`hdf5`.
-    transforms: str = "[]"
-    #: ``"epoch"``: match the glob again at each new epoch; ``None``: once (see :func:`hdf5`).
-    rescan: Optional[str] = None
+    definition: Mapping[str, Any]
 
     def _wire(self) -> tuple:
-        fields = [(str(k), str(v)) for k, v in self.fields.items()]
-        return (
-            "hdf5", self.files, fields, self.window, list(self.per_item), self.sampling, self.transforms, self.rescan,
-        )
+        return ("hdf5", json.dumps(self.definition))
 
 
 def _rescan(rescan: Optional[str]) -> Optional[str]:
     if rescan not in (None, "never", "epoch"):
         raise ValueError(f"rescan must be 'epoch', 'never' or None, not {rescan!r}")
     return None if rescan == "never" else rescan
-
-
-_WINDOW_KEYS = {"size", "stride", "n_steps_input", "n_steps_output", "dt_stride", "min_dt_stride", "max_dt_stride"}
-
-
-def _window(window: Mapping[str, int]) -> Tuple[Tuple[int, int], Optional[int], Tuple[int, int]]:
-    """``(size, stride)``, ``n_steps_input`` (None without a split) and ``(min_dt_stride, max_dt_stride)``."""
-    w = {k: int(v) for k, v in window.items()}
-    unknown = set(w) - _WINDOW_KEYS
-    split = "n_steps_input" in w or "n_steps_output" in w
-    if unknown or ("size" in w) == split or (split and not {"n_steps_input", "n_steps_output"} <= set(w)):
-        raise ValueError(
-            "window takes 'size' or both 'n_steps_input' and 'n_steps_output', optionally 'stride' and "
-            f"'dt_stride' or 'min_dt_stride'/'max_dt_stride'; got {dict(window)!r}"
-        )
-    if "dt_stride" in w and ("min_dt_stride" in w or "max_dt_stride" in w):
-        raise ValueError(f"give either dt_stride or min_dt_stride/max_dt_stride, not both; got {dict(window)!r}")
-    size = w["size"] if "size" in w else w["n_steps_input"] + w["n_steps_output"]
-    if max(size, *w.values()) >= 2**64:
-        raise ValueError(
-            f"window values (and n_steps_input + n_steps_output) must fit in 64 bits, got {dict(window)!r}"
-        )
-    if min(w.values()) < 0 or size < 1 or w.get("stride", 1) < 1:
-        raise ValueError(f"window size and stride must be at least 1 (and no value negative), got {dict(window)!r}")
-    dt_min = w.get("dt_stride", w.get("min_dt_stride", 1))
-    dt_max = w.get("dt_stride", w.get("max_dt_stride", dt_min))
-    if dt_min < 1 or dt_max < dt_min:
-        raise ValueError(
-            f"the step spacing must be at least 1 and max_dt_stride at least min_dt_stride, got {dict(window)!r}"
-        )
-    return (size, w.get("stride", 1)), w.get("n_steps_input"), (dt_min, dt_max)
 
 
 def hdf5(
@@ -131,59 +90,31 @@ def hdf5(
 
     The daemon only serves ad-hoc datasets under its configured ``allowed_roots``.
     """
-    files = os.path.abspath(os.fspath(files))
-    rescan = _rescan(rescan)
-    if not fields:
-        raise ValueError("fields must map at least one field name to an HDF5 dataset path")
-    win, n_in, (dt_min, dt_max) = None, None, (1, 1)
-    if window is not None:
-        win, n_in, (dt_min, dt_max) = _window(window)
-    elif per_item or input or output:
-        raise ValueError("per_item, input and output need a window: without one every field is delivered per item")
-    if time_only and window is None:
-        raise ValueError("time_only fields take a window's steps; give a window")
-    for name, names in (
-        ("per_item", per_item),
-        ("input", input),
-        ("output", output),
-        ("constant", constant),
-        ("time_only", time_only),
-    ):
-        missing = [f for f in names if f not in fields]
-        if missing:
-            raise ValueError(f"{name} names {missing}, which are not in fields")
-    sampling = None
-    if n_in is not None or (dt_min, dt_max) != (1, 1) or input or output or constant or time_only:
-        sampling = json.dumps(
-            {
-                "n_steps_input": n_in,
-                "min_dt_stride": dt_min,
-                "max_dt_stride": dt_max,
-                "input": [str(f) for f in input],
-                "output": [str(f) for f in output],
-                "constant": [str(f) for f in constant],
-                "time_only": [str(f) for f in time_only],
-            }
-        )
-    named = set(transforms or {}) | set(pair or {}) | set(spatial_axes or {})
-    unknown = named - set(fields)
-    if unknown:
-        raise ValueError(f"transforms/pair/spatial_axes name unknown fields {sorted(unknown)}")
-    defs = []
-    for name in fields:
-        if name not in named:
-            continue
-        p = (pair or {}).get(name)
-        axes = (spatial_axes or {}).get(name)
-        defs.append(
-            {
-                "field": name,
-                "steps": _steps(name, (transforms or {}).get(name, [])),
-                "pair": None if p is None else {"with": p[0], "scale": int(p[1])},
-                "spatial_axes": None if axes is None else [int(a) for a in axes],
-            }
-        )
-    return Hdf5Spec(files, dict(fields), win, tuple(per_item), sampling, json.dumps(defs), rescan)
+    pairs = {str(name): str(path) for name, path in fields.items()}
+    definition: Dict[str, Any] = {
+        "files": os.path.abspath(os.fspath(files)),
+        "fields": pairs,
+        "window": None if window is None else {str(k): _integer("window", k, v) for k, v in window.items()},
+        "per_item": [str(f) for f in per_item],
+        "input": [str(f) for f in input],
+        "output": [str(f) for f in output],
+        "constant": [str(f) for f in constant],
+        "time_only": [str(f) for f in time_only],
+        "transforms": {str(name): _steps(name, steps) for name, steps in (transforms or {}).items()},
+        "pair": {str(name): {"with": str(p[0]), "scale": int(p[1])} for name, p in (pair or {}).items()},
+        "spatial_axes": {str(name): [int(a) for a in axes] for name, axes in (spatial_axes or {}).items()},
+        "rescan": _rescan(rescan) or "never",
+    }
+    # The daemon's own check of the description (the config and the wire run
+    # the same one): raises ValueError naming the problem.
+    return Hdf5Spec(json.loads(_check_hdf5(json.dumps(definition))))
+
+
+def _integer(what: str, key: Any, value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} {key!r} must be an integer, not {value!r}") from None
 
 
 @dataclass(frozen=True)
