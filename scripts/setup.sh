@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 need_apt=()
 dpkg -s libhdf5-dev >/dev/null 2>&1 || need_apt+=(libhdf5-dev)
 dpkg -s pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
-# libjpeg-turbo, the JPEG decoder (daemon/csrc/jpeg_turbo.c uses its libjpeg API).
+# libjpeg-turbo, the JPEG decoder (crates/decode/csrc/jpeg_turbo.c uses its libjpeg API).
 dpkg -s libjpeg62-turbo-dev >/dev/null 2>&1 || need_apt+=(libjpeg62-turbo-dev)
 # systemd-analyze/-sysusers/-tmpfiles for the deploy tests (client-py/tests/test_deploy.py).
 command -v systemd-analyze >/dev/null 2>&1 || need_apt+=(systemd)

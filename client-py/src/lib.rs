@@ -391,5 +391,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_steps, m)?)?;
     m.add_function(wrap_pyfunction!(check_hdf5, m)?)?;
     m.add("TRANSFORM_STEPS", stoker_client::proto::step_names())?;
+    m.add("PROTOCOL_VERSION", stoker_client::proto::PROTOCOL_VERSION)?;
     Ok(())
 }

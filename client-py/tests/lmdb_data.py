@@ -6,7 +6,7 @@ variants Pillow cannot write (16-bit colour, sub-byte gray) are written by
 `hand_png`, a minimal encoder, as other tools (OpenCV, libpng) write them.
 
 `pil_decode` is the reference a served PNG is compared against: Pillow's
-decoding, expanded the way the daemon documents (daemon/src/codec/image.rs):
+decoding, expanded the way the daemon documents (crates/decode/src/codec/image.rs):
 palettes → RGB, or RGBA when a tRNS chunk is present; a tRNS chunk on gray or
 RGB adds an alpha channel; 1/2/4-bit samples → uint8 scaled to 0–255;
 16-bit → uint16; gray keeps a channel axis, `[h, w, 1]`.

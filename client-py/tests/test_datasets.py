@@ -10,7 +10,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-KEEP_IDLE = 16  # daemon/src/dataset.rs
+KEEP_IDLE = 16  # daemon/src/dataset/mod.rs
 
 
 def open_files_under(pid: int, root: Path) -> int:

@@ -4,7 +4,7 @@ without a tRNS colour), RGBA and 16-bit images comes out uniform with
 `{"codec": "png", "mode": ...}`, byte-exact to
 `np.asarray(Image.open(f).convert(mode))`, and so does a folder of JPEGs
 mixing gray, subsampled, progressive and CMYK ones; `dtype` rescales as documented in
-`daemon/src/codec/mode.rs` (uint16: × 257 for 8-bit sources, full precision
+`crates/decode/src/codec/mode.rs` (uint16: × 257 for 8-bit sources, full precision
 for 16-bit ones; float32: / 255 or / 65535).
 """
 

@@ -245,7 +245,7 @@ def test_png16_trns_alpha(stoker: Any, start_daemon: Callable[..., Any], tmp_pat
 # JPEG decoders need not agree bit for bit (T.81 allows IDCT rounding
 # differences), but the daemon decodes with libjpeg-turbo, as Pillow does, with
 # Pillow's settings (accurate integer IDCT, fancy upsampling): served pixels
-# equal Pillow's exactly (as in the codec tests, daemon/src/codec/testdata/make.py).
+# equal Pillow's exactly (as in the codec tests, crates/decode/src/codec/testdata/make.py).
 # The check keeps its (max, mean) form so a difference is reported by size.
 JPEG_TOLERANCE = {"gray": (0, 0.0), "colour": (0, 0.0)}
 

@@ -27,9 +27,11 @@ import pytest
 
 from conftest import poll, stoker_bin
 from lmdb_data import key, npy_bytes, write_env
+from stoker import _native
 
 NOBODY = 65534
-PROTOCOL_VERSION = 7
+# The version this build speaks (the raw peer below must speak it too).
+PROTOCOL_VERSION = _native.PROTOCOL_VERSION
 
 
 # --------------------------------------------------------------------------

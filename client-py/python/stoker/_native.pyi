@@ -19,6 +19,8 @@ SOCKET_ENV: str
 __version__: str
 #: The transform step names, from the daemon's definition (`stoker_proto::TransformDef`).
 TRANSFORM_STEPS: List[str]
+#: The wire protocol version this client speaks (`stoker_proto::PROTOCOL_VERSION`).
+PROTOCOL_VERSION: int
 
 def check_hdf5(definition: str) -> str:
     """Checks an HDF5 dataset description (JSON of ``stoker_proto::Hdf5Dataset``) with the daemon's own check;

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ._native import check_hdf5 as _check_hdf5
-from ._native import parse_steps as _parse_steps
+from ._native import check_hdf5 as _check_hdf5, parse_steps as _parse_steps
 
 __all__ = ["Hdf5Spec", "LmdbSpec", "hdf5", "lmdb"]
 

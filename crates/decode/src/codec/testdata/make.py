@@ -3,7 +3,7 @@
 
 Run from anywhere with a Python that has numpy, pillow, lz4 and zstandard:
 
-    .venv/bin/python daemon/src/codec/testdata/make.py
+    .venv/bin/python crates/decode/src/codec/testdata/make.py
 
 Each fixture is listed in manifest.json with its codec, the dtype and shape it
 decodes to, and `expect`: the decoded array as C-ordered little-endian bytes.

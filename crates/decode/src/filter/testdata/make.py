@@ -1,4 +1,4 @@
-"""Regenerate the HDF5 chunk fixtures used by `daemon/src/filter/tests.rs`.
+"""Regenerate the HDF5 chunk fixtures used by `crates/decode/src/filter/tests.rs`.
 
 Writes small datasets with h5py + hdf5plugin, one per filter pipeline, then
 dumps chunk (0, ...) of each as libhdf5 stored it (`read_direct_chunk`), the
@@ -7,7 +7,7 @@ as `H5Pget_filter2` reports it, into `cases.json` next to this script.
 
 Run from anywhere (needs numpy, h5py and hdf5plugin):
 
-    /work/main/.venv/bin/python daemon/src/filter/testdata/make.py
+    /work/main/.venv/bin/python crates/decode/src/filter/testdata/make.py
 
 The output is deterministic except for what the filters themselves embed.
 """
