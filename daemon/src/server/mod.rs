@@ -219,7 +219,7 @@ pub fn bind(path: &Path, settings: &Settings) -> anyhow::Result<UnixListener> {
 
 /// Serves clients on `listener` until `shutdown` resolves, then stops
 /// accepting, removes the socket file at `socket`, tells every connection
-/// [`ErrorKind::ShuttingDown`] and (for [`Shutdown::Drain`]) waits up to
+/// [`stoker_proto::ErrorKind::ShuttingDown`] and (for [`Shutdown::Drain`]) waits up to
 /// `[server] shutdown_grace_s` for them to close.
 pub async fn run(
     daemon: Arc<Daemon>,
