@@ -49,7 +49,13 @@ impl Step {
             TransformDef::Chw => Step::ToChw,
             TransformDef::Vflip => Step::RandomVFlip,
             TransformDef::Rot90 => Step::RandomRot90,
-            TransformDef::Cast { dtype } => Step::Cast { dtype: parse_dtype(dtype).map_err(invalid)? },
+            TransformDef::Cast { dtype } => Step::Cast {
+                dtype: parse_dtype(dtype).ok_or_else(|| TransformError::UnknownDtype {
+                    field: field.to_string(),
+                    name: dtype.clone(),
+                    known: DTYPES.iter().map(|d| d.numpy_name()).collect(),
+                })?,
+            },
             TransformDef::Permute { axes } => {
                 Step::Permute { axes: axes.iter().map(|&a| usize::try_from(a).unwrap_or(usize::MAX)).collect() }
             }
@@ -67,22 +73,24 @@ impl Step {
     }
 }
 
+/// The dtypes a cast may name, in the order messages list them.
+const DTYPES: [DType; 12] = [
+    DType::Bool,
+    DType::U8,
+    DType::U16,
+    DType::U32,
+    DType::U64,
+    DType::I8,
+    DType::I16,
+    DType::I32,
+    DType::I64,
+    DType::F16,
+    DType::F32,
+    DType::F64,
+];
+
 /// A dtype named as numpy names it (`"float32"`) or by its short code (`"f4"`).
-fn parse_dtype(name: &str) -> Result<DType, String> {
-    let all = [
-        DType::Bool,
-        DType::U8,
-        DType::U16,
-        DType::U32,
-        DType::U64,
-        DType::I8,
-        DType::I16,
-        DType::I32,
-        DType::I64,
-        DType::F16,
-        DType::F32,
-        DType::F64,
-    ];
+fn parse_dtype(name: &str) -> Option<DType> {
     let short = |d: DType| match d {
         DType::Bool => "?",
         DType::U8 => "u1",
@@ -97,8 +105,5 @@ fn parse_dtype(name: &str) -> Result<DType, String> {
         DType::F32 => "f4",
         DType::F64 => "f8",
     };
-    all.into_iter().find(|&d| d.numpy_name() == name || short(d) == name).ok_or_else(|| {
-        let names: Vec<&str> = all.iter().map(|d| d.numpy_name()).collect();
-        format!("cast to {name:?}: use one of {names:?}")
-    })
+    DTYPES.into_iter().find(|&d| d.numpy_name() == name || short(d) == name)
 }
