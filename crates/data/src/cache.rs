@@ -760,6 +760,10 @@ mod tests {
         assert_eq!(next(70), 70 - 10);
     }
 
+    /// The error of a load that fails, in the tests.
+    #[derive(Debug)]
+    struct Unreadable;
+
     #[test]
     fn concurrent_loads_of_one_key_run_once_and_failures_release_the_waiters() {
         use std::sync::atomic::AtomicUsize;
@@ -768,7 +772,7 @@ mod tests {
         let load = || {
             loads.fetch_add(1, Ordering::SeqCst);
             std::thread::sleep(Duration::from_millis(50));
-            Ok::<_, String>(Some((Arc::new(vec![7u8; 10]), 10, Uses::one(1, 0))))
+            Ok::<_, Unreadable>(Some((Arc::new(vec![7u8; 10]), 10, Uses::one(1, 0))))
         };
         std::thread::scope(|s| {
             let got: Vec<_> = (0..4).map(|_| s.spawn(|| cache.get_or_load(&key(1), 1, load))).collect();
@@ -782,12 +786,12 @@ mod tests {
         for panics in [false, true] {
             let k = key(if panics { 3 } else { 2 });
             let tries = AtomicUsize::new(0);
-            let failing = || -> Result<Loaded<Vec<u8>>, String> {
+            let failing = || -> Result<Loaded<Vec<u8>>, Unreadable> {
                 let n = tries.fetch_add(1, Ordering::SeqCst);
                 std::thread::sleep(Duration::from_millis(50));
                 if n == 0 {
                     assert!(!panics, "the first load panics");
-                    return Err("unreadable".into());
+                    return Err(Unreadable);
                 }
                 Ok(None)
             };

@@ -95,18 +95,52 @@ impl FileId {
         }
     }
 
-    /// How `now` differs from `self`, for messages; `None` when it does not.
-    pub fn change(&self, now: &FileId) -> Option<String> {
+    /// How `now` differs from `self`; `None` when it does not.
+    pub fn change(&self, now: &FileId) -> Option<FileChange> {
         if (self.dev, self.ino) != (now.dev, now.ino) {
-            Some("was replaced by another file".into())
+            Some(FileChange::Replaced)
         } else if self.size != now.size {
-            Some(format!("changed size from {} to {} bytes", self.size, now.size))
+            Some(FileChange::Resized { from: self.size, to: now.size })
         } else if self.mtime_ns != now.mtime_ns {
-            Some("was modified".into())
+            Some(FileChange::Modified)
         } else {
             None
         }
     }
+}
+
+/// How a file differs from the one identified before (see [`FileId::change`]);
+/// shown after the file's path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum FileChange {
+    /// Another file (device, inode) is at its path now.
+    #[error("was replaced by another file")]
+    Replaced,
+    /// Its size changed.
+    #[error("changed size from {from} to {to} bytes")]
+    Resized {
+        /// The size before.
+        from: u64,
+        /// The size now.
+        to: u64,
+    },
+    /// Same size, another modification time.
+    #[error("was modified")]
+    Modified,
+}
+
+/// Why a file being served cannot be read any more; shown after its path.
+#[derive(Debug, thiserror::Error)]
+pub enum ChangedError {
+    /// Opening it again failed.
+    #[error("could not be opened again while being served ({0})")]
+    Reopen(AccessError),
+    /// Its identity could not be read.
+    #[error("cannot be checked for changes: {0}")]
+    Unchecked(std::io::Error),
+    /// It is no longer the file that was opened.
+    #[error("{0} while being served; open a new Loader to read the new contents")]
+    Changed(FileChange),
 }
 
 /// A file opened by [`open`], with the identity it had when opened.
@@ -323,13 +357,12 @@ pub fn open_in(dir: &Opened, name: &str) -> Result<Opened, AccessError> {
 /// bound open files), with the daemon's rights, and checks it is still that
 /// file: same device, inode, size and modification time.
 /// The error says how it changed, without the path.
-pub fn reopen_same(canonical: &Path, root: Option<&Path>, id: &FileId) -> Result<File, String> {
+pub fn reopen_same(canonical: &Path, root: Option<&Path>, id: &FileId) -> Result<File, ChangedError> {
     let roots = root.map(|r| vec![r.to_owned()]);
-    let opened = open(canonical, roots.as_deref(), Want::File)
-        .map_err(|e| format!("could not be opened again while being served ({e})"))?;
+    let opened = open(canonical, roots.as_deref(), Want::File).map_err(ChangedError::Reopen)?;
     match id.change(&opened.id) {
         None => Ok(opened.file),
-        Some(change) => Err(format!("{change} while being served; open a new Loader to read the new contents")),
+        Some(change) => Err(ChangedError::Changed(change)),
     }
 }
 
@@ -465,8 +498,10 @@ mod tests {
         assert_eq!(id.change(&id), None);
         std::fs::write(&path, b"abcd").unwrap();
         let now = open(&path, None, Want::File).unwrap().id;
-        assert!(id.change(&now).unwrap().contains("size"));
+        assert_eq!(id.change(&now), Some(FileChange::Resized { from: 3, to: 4 }));
+        assert!(id.change(&now).unwrap().to_string().contains("size"));
         let err = reopen_same(&path.canonicalize().unwrap(), None, &id).unwrap_err();
-        assert!(err.contains("while being served"), "{err}");
+        assert!(matches!(err, ChangedError::Changed(FileChange::Resized { .. })), "{err}");
+        assert!(err.to_string().contains("while being served"), "{err}");
     }
 }

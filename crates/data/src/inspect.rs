@@ -146,17 +146,17 @@ fn report(dataset: hdf5::Dataset, path: String, cache: &CacheCtx) -> DatasetRepo
     .to_string();
     let (dtype, servable, read_path) = match classify(&file_type) {
         Ok((dtype, descriptor)) if !shape.is_empty() => {
-            let read_path = match crate::source::hdf5::mem_type(&file_type, &descriptor)
-                .map_err(|e| e.to_string())
-                .and_then(|mem| FieldReader::new(dataset, dtype, &file_type, mem, cache.dataset, true))
-            {
-                Ok(reader) => reader.layout.describe(),
+            let read_path = match crate::source::hdf5::mem_type(&file_type, &descriptor) {
+                Ok(mem) => match FieldReader::new(dataset, dtype, &file_type, mem, cache.dataset, true) {
+                    Ok(reader) => reader.layout.describe(),
+                    Err(e) => format!("cannot read: {e}"),
+                },
                 Err(e) => format!("cannot read: {e}"),
             };
             (dtype.to_string(), true, read_path)
         }
         Ok((dtype, _)) => (dtype.to_string(), false, "scalar: no axis to index samples by".to_string()),
-        Err(found) => (found, false, "not servable: stoker serves numeric datasets".to_string()),
+        Err(found) => (found.to_string(), false, "not servable: stoker serves numeric datasets".to_string()),
     };
     DatasetReport { path, shape, dtype, servable, byte_order, layout, chunks, filters, read_path }
 }
@@ -311,22 +311,47 @@ fn meta_info(env: &Path) -> Option<(PathBuf, usize)> {
 pub fn format_lmdb_report(envs: &[LmdbReport]) -> String {
     let mut out = String::new();
     for r in envs {
-        let scan = &r.scan;
-        let beside = if r.found_beside { ", found beside the one given" } else { "" };
-        let _ = writeln!(out, "{} (LMDB{beside})", r.env.display());
-        let _ = writeln!(out, "  entries        {}", scan.entries);
-        if !scan.metadata_keys.is_empty() {
-            let _ = writeln!(out, "  metadata keys  {} (skipped by default)", scan.metadata_keys.join(", "));
-        }
-        let list = |v: &[(String, u64)]| v.iter().map(|(k, n)| format!("{k} ×{n}")).collect::<Vec<_>>().join(", ");
-        let _ = writeln!(out, "  key patterns   {}", list(&scan.key_patterns));
-        let _ = writeln!(out, "  keys           {}", scan.first_keys.join(", "));
-        let _ = writeln!(out, "  formats        {} (first {} values)", list(&scan.formats), scan.probed);
-        let _ = writeln!(out, "  decoded        {}", list(&scan.shapes));
+        write_lmdb_scan(&mut out, r);
     }
     let Some(first) = envs.first() else { return out };
     let pair = pairing(envs);
-    // Fields: lr and hr for a pair, else one per environment named by its stem ("x" when alone).
+    let names = lmdb_field_names(envs, pair);
+    // The leader first: a pair's LR, then the rest in the order given.
+    let mut order: Vec<usize> = (0..envs.len()).collect();
+    if let Some(p) = pair {
+        order.retain(|&i| i != p.lr);
+        order.insert(0, p.lr);
+    }
+    let dataset = match pair {
+        Some(p) => stem(&envs[p.hr].env),
+        None => stem(&first.env),
+    };
+    write_lmdb_dataset(&mut out, envs, pair, &order, &dataset);
+    for &i in &order {
+        write_lmdb_field(&mut out, envs, pair, i, &names, &dataset);
+    }
+    out
+}
+
+/// The report's lines on one environment: what its scan found.
+fn write_lmdb_scan(out: &mut String, r: &LmdbReport) {
+    let scan = &r.scan;
+    let beside = if r.found_beside { ", found beside the one given" } else { "" };
+    let _ = writeln!(out, "{} (LMDB{beside})", r.env.display());
+    let _ = writeln!(out, "  entries        {}", scan.entries);
+    if !scan.metadata_keys.is_empty() {
+        let _ = writeln!(out, "  metadata keys  {} (skipped by default)", scan.metadata_keys.join(", "));
+    }
+    let list = |v: &[(String, u64)]| v.iter().map(|(k, n)| format!("{k} ×{n}")).collect::<Vec<_>>().join(", ");
+    let _ = writeln!(out, "  key patterns   {}", list(&scan.key_patterns));
+    let _ = writeln!(out, "  keys           {}", scan.first_keys.join(", "));
+    let _ = writeln!(out, "  formats        {} (first {} values)", list(&scan.formats), scan.probed);
+    let _ = writeln!(out, "  decoded        {}", list(&scan.shapes));
+}
+
+/// The suggested field name of each environment: lr and hr for a pair, else
+/// its stem ("x" when alone), numbered where names repeat.
+fn lmdb_field_names(envs: &[LmdbReport], pair: Option<Pairing>) -> Vec<String> {
     let mut names: Vec<String> = Vec::new();
     for (i, r) in envs.iter().enumerate() {
         let base = match pair {
@@ -343,16 +368,12 @@ pub fn format_lmdb_report(envs: &[LmdbReport]) -> String {
         }
         names.push(name);
     }
-    // The leader first: a pair's LR, then the rest in the order given.
-    let mut order: Vec<usize> = (0..envs.len()).collect();
-    if let Some(p) = pair {
-        order.retain(|&i| i != p.lr);
-        order.insert(0, p.lr);
-    }
-    let dataset = match pair {
-        Some(p) => stem(&envs[p.hr].env),
-        None => stem(&first.env),
-    };
+    names
+}
+
+/// The suggested config's `[datasets.NAME]` table: the key file (BasicSR's
+/// meta_info.txt) and notes on the pairing.
+fn write_lmdb_dataset(out: &mut String, envs: &[LmdbReport], pair: Option<Pairing>, order: &[usize], dataset: &str) {
     // BasicSR writes meta_info.txt into each environment; the HR one's lists the pairs.
     let key_file =
         pair.and_then(|p| meta_info(&envs[p.hr].env)).or_else(|| order.iter().find_map(|&i| meta_info(&envs[i].env)));
@@ -379,42 +400,51 @@ pub fn format_lmdb_report(envs: &[LmdbReport]) -> String {
             let _ = writeln!(out, "# other HR environments beside the LR one: {}", others.join(", "));
         }
     }
-    for &i in &order {
-        let r = &envs[i];
-        let codec = r.scan.formats.first().map_or("raw", |(f, _)| f.as_str());
+}
+
+/// The suggested config's `[[datasets.NAME.fields]]` entry for environment
+/// `i`, with the transforms a pair or differing shapes call for.
+fn write_lmdb_field(
+    out: &mut String,
+    envs: &[LmdbReport],
+    pair: Option<Pairing>,
+    i: usize,
+    names: &[String],
+    dataset: &str,
+) {
+    let r = &envs[i];
+    let codec = r.scan.formats.first().map_or("raw", |(f, _)| f.as_str());
+    let _ = writeln!(
+        out,
+        "\n[[datasets.{dataset}.fields]]\nname = {}\nenv = {}\ncodec = {}",
+        quote(&names[i]),
+        quote(&r.env.display().to_string()),
+        quote(codec)
+    );
+    if let Some(p) = pair.filter(|p| p.hr == i) {
+        let _ = writeln!(out, "pair = {{ with = {}, scale = {} }}", quote(&names[p.lr]), p.scale);
+    }
+    if let Some(p) = pair {
+        let crop = if p.hr == i { 32 * p.scale } else { 32 };
         let _ = writeln!(
             out,
-            "\n[[datasets.{dataset}.fields]]\nname = {}\nenv = {}\ncodec = {}",
-            quote(&names[i]),
-            quote(&r.env.display().to_string()),
-            quote(codec)
+            "# transforms = [{{ random_crop = {{ height = {crop}, width = {crop} }} }}, \"hflip\"]   \
+             # paired crops: the HR crop is {}× the LR crop",
+            p.scale
         );
-        if let Some(p) = pair.filter(|p| p.hr == i) {
-            let _ = writeln!(out, "pair = {{ with = {}, scale = {} }}", quote(&names[p.lr]), p.scale);
-        }
-        if let Some(p) = pair {
-            let crop = if p.hr == i { 32 * p.scale } else { 32 };
-            let _ = writeln!(
-                out,
-                "# transforms = [{{ random_crop = {{ height = {crop}, width = {crop} }} }}, \"hflip\"]   \
-                 # paired crops: the HR crop is {}× the LR crop",
-                p.scale
-            );
-        } else if r.scan.shapes.len() > 1 {
-            let _ = writeln!(
-                out,
-                "# values differ in shape: without a transform that fixes it the field arrives as a list of arrays;\n\
-                 # e.g. transforms = [{{ random_crop = {{ height = 224, width = 224 }} }}, \"hflip\", {{ to_f32 = {{ scale = 0.00392156862745098 }} }}, \"chw\"]"
-            );
-        }
-        if codec.contains('?') || codec == "unknown" {
-            let _ = writeln!(
-                out,
-                "# format not recognised: use codec = \"raw\" with dtype and shape if values are plain arrays"
-            );
-        }
+    } else if r.scan.shapes.len() > 1 {
+        let _ = writeln!(
+            out,
+            "# values differ in shape: without a transform that fixes it the field arrives as a list of arrays;\n\
+             # e.g. transforms = [{{ random_crop = {{ height = 224, width = 224 }} }}, \"hflip\", {{ to_f32 = {{ scale = 0.00392156862745098 }} }}, \"chw\"]"
+        );
     }
-    out
+    if codec.contains('?') || codec == "unknown" {
+        let _ = writeln!(
+            out,
+            "# format not recognised: use codec = \"raw\" with dtype and shape if values are plain arrays"
+        );
+    }
 }
 
 /// Where samples run along time: the length of axis 1 shared by the

@@ -120,21 +120,33 @@ impl From<bool> for Shuffle {
     }
 }
 
+/// Why a client's [`Shuffle`] cannot order a dataset; each names the
+/// offending argument and its bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ShuffleError {
+    /// `block_size` is outside `1..=MAX_BLOCK_SIZE`.
+    #[error("block_size {0} is outside 1..={MAX_BLOCK_SIZE} (shuffle=\"block\")")]
+    BlockSize(u64),
+    /// `block_window` is outside `1..=MAX_BLOCK_WINDOW`.
+    #[error("block_window {0} is outside 1..={MAX_BLOCK_WINDOW} (shuffle=\"block\")")]
+    Window(u64),
+    /// The dataset has more samples (this many) than the block order serves.
+    #[error("the dataset has {0} samples, more than shuffle=\"block\" serves ({MAX_BLOCK_SAMPLES}); use shuffle=True")]
+    TooManySamples(u64),
+}
+
 impl Shuffle {
-    /// Checks a client's request for a dataset of `n` samples; the message
-    /// names the offending argument and its bounds.
-    pub fn check(self, n: u64) -> Result<(), String> {
+    /// Checks a client's request for a dataset of `n` samples.
+    pub fn check(self, n: u64) -> Result<(), ShuffleError> {
         let Shuffle::Block { block_size, window } = self else { return Ok(()) };
         if !(1..=MAX_BLOCK_SIZE).contains(&block_size) {
-            return Err(format!("block_size {block_size} is outside 1..={MAX_BLOCK_SIZE} (shuffle=\"block\")"));
+            return Err(ShuffleError::BlockSize(block_size));
         }
         if !(1..=MAX_BLOCK_WINDOW).contains(&window) {
-            return Err(format!("block_window {window} is outside 1..={MAX_BLOCK_WINDOW} (shuffle=\"block\")"));
+            return Err(ShuffleError::Window(window));
         }
         if n > MAX_BLOCK_SAMPLES {
-            return Err(format!(
-                "the dataset has {n} samples, more than shuffle=\"block\" serves ({MAX_BLOCK_SAMPLES}); use shuffle=True"
-            ));
+            return Err(ShuffleError::TooManySamples(n));
         }
         Ok(())
     }
@@ -585,11 +597,14 @@ mod tests {
 
     #[test]
     fn block_arguments_are_checked() {
-        assert!(Shuffle::Block { block_size: 0, window: 1 }.check(10).unwrap_err().contains("block_size 0"));
-        assert!(Shuffle::Block { block_size: 1, window: 0 }.check(10).unwrap_err().contains("block_window 0"));
-        assert!(Shuffle::Block { block_size: MAX_BLOCK_SIZE + 1, window: 1 }.check(10).is_err());
-        assert!(Shuffle::Block { block_size: 1, window: MAX_BLOCK_WINDOW + 1 }.check(10).is_err());
-        assert!(Shuffle::Block { block_size: 8, window: 2 }.check(MAX_BLOCK_SAMPLES + 1).is_err());
+        let refused = |block_size, window, n| Shuffle::Block { block_size, window }.check(n).unwrap_err();
+        assert_eq!(refused(0, 1, 10), ShuffleError::BlockSize(0));
+        assert!(refused(0, 1, 10).to_string().starts_with("block_size 0 is outside 1..=4294967296"));
+        assert_eq!(refused(1, 0, 10), ShuffleError::Window(0));
+        assert!(refused(1, 0, 10).to_string().starts_with("block_window 0 is outside 1..="));
+        assert_eq!(refused(MAX_BLOCK_SIZE + 1, 1, 10), ShuffleError::BlockSize(MAX_BLOCK_SIZE + 1));
+        assert_eq!(refused(1, MAX_BLOCK_WINDOW + 1, 10), ShuffleError::Window(MAX_BLOCK_WINDOW + 1));
+        assert_eq!(refused(8, 2, MAX_BLOCK_SAMPLES + 1), ShuffleError::TooManySamples(MAX_BLOCK_SAMPLES + 1));
         assert!(
             Shuffle::Block { block_size: MAX_BLOCK_SIZE, window: MAX_BLOCK_WINDOW }.check(MAX_BLOCK_SAMPLES).is_ok()
         );

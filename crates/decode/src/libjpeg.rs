@@ -36,6 +36,25 @@ unsafe extern "C" {
     ) -> c_int;
 }
 
+/// Why libjpeg (or the shim's checks around it) refused a JPEG: the shim's
+/// message, by the stage that failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum JpegError {
+    /// Reading the header (markers up to the first scan) failed.
+    #[error("{message}")]
+    Header {
+        /// libjpeg's message.
+        message: String,
+    },
+    /// Decoding the region failed (corrupt data, or the region, channels or
+    /// destination disagree with the header).
+    #[error("{message}")]
+    Decode {
+        /// libjpeg's or the shim's message.
+        message: String,
+    },
+}
+
 /// The message the shim left in `msg` (NUL-terminated, or the whole buffer).
 fn message(msg: &[u8]) -> String {
     let end = msg.iter().position(|&b| b == 0).unwrap_or(msg.len());
@@ -45,7 +64,7 @@ fn message(msg: &[u8]) -> String {
 
 /// `(width, height, channels)` of the image decoded at scale 1/`denom` (1, 2,
 /// 4 or 8); channels are 1 (grayscale) or 3 (RGB, from YCbCr, RGB or CMYK).
-pub fn header(value: &[u8], denom: u32) -> Result<(u32, u32, u32), String> {
+pub fn header(value: &[u8], denom: u32) -> Result<(u32, u32, u32), JpegError> {
     let (mut width, mut height, mut channels) = (0u32, 0u32, 0u32);
     let mut msg = [0u8; 256];
     // SAFETY: `value` is a live slice the shim only reads, for its length; the
@@ -62,7 +81,7 @@ pub fn header(value: &[u8], denom: u32) -> Result<(u32, u32, u32), String> {
             msg.len(),
         )
     };
-    if rc != 0 { Err(message(&msg)) } else { Ok((width, height, channels)) }
+    if rc != 0 { Err(JpegError::Header { message: message(&msg) }) } else { Ok((width, height, channels)) }
 }
 
 /// Decodes the region `(left, top, width, height)` of the image scaled to
@@ -76,7 +95,7 @@ pub fn decode(
     (left, top, width, height): (u32, u32, u32, u32),
     channels: u32,
     dst: &mut [u8],
-) -> Result<(), String> {
+) -> Result<(), JpegError> {
     let mut row = vec![0u8; 4 * full_width as usize];
     let mut msg = [0u8; 256];
     // SAFETY: `value` is only read, for its length. `dst`, `row` and `msg`
@@ -102,5 +121,5 @@ pub fn decode(
             msg.len(),
         )
     };
-    if rc != 0 { Err(message(&msg)) } else { Ok(()) }
+    if rc != 0 { Err(JpegError::Decode { message: message(&msg) }) } else { Ok(()) }
 }

@@ -589,7 +589,7 @@ pub fn load_stats<'a>(
             .read_to_string(&mut text)
             .map_err(|e| bad(format!("cannot read the statistics file: {e}")))?;
         ids.push(opened.id);
-        *step = stoker_decode::transform::stats::normalize_step(&text, stats, key).map_err(bad)?;
+        *step = stoker_decode::transform::stats::normalize_step(&text, stats, key).map_err(|e| bad(e.to_string()))?;
     }
     Ok(ids)
 }

@@ -119,12 +119,12 @@ pub enum SourceError {
     #[error("{0}")]
     Access(#[from] crate::fsaccess::AccessError),
     /// A file changed (replaced, rewritten, appended to) while being served.
-    #[error("{path} {message}")]
+    #[error("{path} {problem}")]
     Changed {
         /// The file.
         path: PathBuf,
         /// How it changed, and what to do.
-        message: String,
+        problem: crate::fsaccess::ChangedError,
     },
     /// The file cannot be opened as HDF5.
     #[error("cannot open {path} as HDF5: {message}")]

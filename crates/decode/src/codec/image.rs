@@ -119,7 +119,7 @@ pub(super) fn probe_jpeg(value: &[u8]) -> Result<ArrayInfo, CodecError> {
 /// (`denom` one of [`JPEG_SCALES`]; each side becomes `ceil(side / denom)`).
 pub fn probe_jpeg_scaled(value: &[u8], denom: u32) -> Result<ArrayInfo, CodecError> {
     assert!(JPEG_SCALES.contains(&denom), "JPEG scale 1/{denom} is not one of 1/1, 1/2, 1/4, 1/8");
-    let (width, height, channels) = libjpeg::header(value, denom).map_err(jpeg_err)?;
+    let (width, height, channels) = libjpeg::header(value, denom).map_err(CodecError::Jpeg)?;
     if width == 0 || height == 0 || width as usize > MAX_SIDE || height as usize > MAX_SIDE {
         return Err(jpeg_err(format!("image is {width}×{height}")));
     }
@@ -163,7 +163,8 @@ pub fn decode_jpeg_region(
     if !ends_after_last_scan(value) {
         return Err(jpeg_err("truncated: no end-of-image marker after the last scan"));
     }
-    libjpeg::decode(value, denom, width, (r.left, r.top, r.width, r.height), channels, dst).map_err(jpeg_err)?;
+    libjpeg::decode(value, denom, width, (r.left, r.top, r.width, r.height), channels, dst)
+        .map_err(CodecError::Jpeg)?;
     Ok(info)
 }
 

@@ -171,6 +171,9 @@ pub enum CodecError {
         /// What is wrong.
         message: String,
     },
+    /// libjpeg refused a JPEG value (its header, or its data).
+    #[error("not a valid jpeg value: {0}")]
+    Jpeg(crate::libjpeg::JpegError),
     /// The compression wrapper could not be undone.
     #[error("{wrap} decompression failed: {message}")]
     Decompress {

@@ -49,7 +49,13 @@ impl Step {
             TransformDef::Chw => Step::ToChw,
             TransformDef::Vflip => Step::RandomVFlip,
             TransformDef::Rot90 => Step::RandomRot90,
-            TransformDef::Cast { dtype } => Step::Cast { dtype: parse_dtype(dtype).map_err(invalid)? },
+            TransformDef::Cast { dtype } => Step::Cast {
+                dtype: DType::from_numpy(dtype).ok_or_else(|| TransformError::UnknownDtype {
+                    field: field.to_string(),
+                    name: dtype.clone(),
+                    known: DType::ALL.iter().map(|d| d.numpy_name()).collect(),
+                })?,
+            },
             TransformDef::Permute { axes } => {
                 Step::Permute { axes: axes.iter().map(|&a| usize::try_from(a).unwrap_or(usize::MAX)).collect() }
             }
@@ -65,13 +71,4 @@ impl Step {
             },
         })
     }
-}
-
-/// A dtype named as numpy names it (`"float32"`) or by its type code
-/// (`"f4"`), from proto's one dtype table.
-fn parse_dtype(name: &str) -> Result<DType, String> {
-    DType::from_numpy(name).ok_or_else(|| {
-        let names: Vec<&str> = DType::ALL.iter().map(|d| d.numpy_name()).collect();
-        format!("cast to {name:?}: use one of {names:?}")
-    })
 }

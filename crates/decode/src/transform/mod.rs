@@ -24,6 +24,7 @@ pub mod stats;
 use stoker_proto::DType;
 
 use crate::codec::AlignedBuf;
+pub use resize::ResizeError;
 
 /// A transform step, in declaration order. Steps compare with `==` on their
 /// parameters (floats as floats) and hash consistently with that (see the
@@ -216,6 +217,32 @@ pub enum TransformError {
         /// What does not fit.
         message: String,
     },
+    /// A resize cannot run on the array: its type or channels, or sizes beyond what resize handles.
+    #[error("field {field:?}: {problem}")]
+    Resize {
+        /// The field.
+        field: String,
+        /// What does not fit.
+        problem: ResizeError,
+    },
+    /// The spatial axes, or a crop's window, do not fit the array.
+    #[error("field {field:?}: {problem}")]
+    Geometry {
+        /// The field.
+        field: String,
+        /// What does not fit.
+        problem: GeometryError,
+    },
+    /// A `cast` names a dtype stoker does not know.
+    #[error("field {field:?}: invalid transforms: cast to {name:?}: use one of {known:?}")]
+    UnknownDtype {
+        /// The field.
+        field: String,
+        /// The name given.
+        name: String,
+        /// The names stoker knows (numpy's).
+        known: Vec<&'static str>,
+    },
     /// A step would make an array larger than the limit (checked before anything is allocated).
     #[error(
         "field {field:?}: {step} makes a {dtype} {shape:?} array of {size}, more than [limits] max_sample_bytes \
@@ -235,6 +262,56 @@ pub enum TransformError {
         bytes: Option<u64>,
         /// The limit in force.
         limit: u64,
+    },
+}
+
+/// Why the spatial axes a chain works on, or a crop's window, do not fit an array.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GeometryError {
+    /// Spatial steps (or pairing) on an array of fewer than 2 dimensions.
+    #[error(
+        "crops, flips, rotations, resizing, downsampling, chw and pairing need at least 2 dimensions (two spatial \
+         axes), not {rank}; a {rank}-d field takes only cast, normalize and permute"
+    )]
+    TooFewAxes {
+        /// The array's number of dimensions.
+        rank: usize,
+    },
+    /// A spatial axis, as given (negative from the end), is not an axis of the array.
+    #[error("spatial axis {axis} is outside a {rank}-d array")]
+    AxisOutside {
+        /// The axis given.
+        axis: i64,
+        /// The array's number of dimensions.
+        rank: usize,
+    },
+    /// Both spatial axes name one axis.
+    #[error("spatial axes {a} and {b} are the same axis")]
+    SameAxis {
+        /// The first axis given.
+        a: i64,
+        /// The second axis given.
+        b: i64,
+    },
+    /// A crop's window lies partly outside the array (only a paired chain
+    /// whose sizes are not `scale` × its leader's gets there).
+    #[error(
+        "crop {height}×{width} at ({top}, {left}) does not fit in {rows}×{columns}; are the paired sizes scale × \
+         the leader's?"
+    )]
+    CropOutside {
+        /// First row of the window.
+        top: u64,
+        /// First column of the window.
+        left: u64,
+        /// Rows of the window.
+        height: u64,
+        /// Columns of the window.
+        width: u64,
+        /// Rows of the array.
+        rows: u64,
+        /// Columns of the array.
+        columns: u64,
     },
 }
 
@@ -576,7 +653,7 @@ impl Chain {
                     (h, w) = (Some(*height), Some(*width));
                 }
                 Step::Resize { height, width, .. } => {
-                    resize::check(dtype_out, c).map_err(input)?;
+                    resize::check(dtype_out, c).map_err(|problem| self.resize_error(problem))?;
                     (h, w) = (Some(*height), Some(*width));
                 }
                 Step::RandomHFlip => {}
@@ -638,22 +715,11 @@ impl Chain {
         }
         // Geometry in the leader's units: `scale` × lead = own size.
         let scale = self.pair.as_ref().map_or(1, |p| p.scale);
-        let mut lead = match (&self.pair, leader_shape) {
-            (None, _) => (h, w),
-            (Some(pair), Some(&[lh, lw, ..])) => {
-                if Some(h) != pair.scale.checked_mul(lh) || Some(w) != pair.scale.checked_mul(lw) {
-                    return Err(err(format!(
-                        "is {h}×{w} but {:?} is {lh}×{lw}: at scale {} they must be {}×{}",
-                        pair.with,
-                        pair.scale,
-                        pair.scale.saturating_mul(lh),
-                        pair.scale.saturating_mul(lw)
-                    )));
-                }
-                (lh, lw)
-            }
-            (Some(pair), _) => return Err(err(format!("pairs with {:?} but its shape was not given", pair.with))),
+        let leader = match leader_shape {
+            Some(&[lh, lw, ..]) => Some((lh, lw)),
+            _ => None,
         };
+        let mut lead = self.lead((h, w), leader)?;
 
         let mut view = View { backing: Backing::Input, offset: 0, h, w, c, stride: w * c, flipped: false, dtype };
         let mut affine = Affine::identity(c as usize);
@@ -668,7 +734,7 @@ impl Chain {
                     }
                     let top = (lead.0 - lh) / 2 * scale;
                     let left = (lead.1 - lw) / 2 * scale;
-                    view.crop(top, left, *height, *width).map_err(&err)?;
+                    view.crop(top, left, *height, *width).map_err(|problem| self.geometry_error(problem))?;
                     lead = (lh, lw);
                 }
                 Step::RandomCrop { height, width } => {
@@ -680,7 +746,7 @@ impl Chain {
                     random += 1;
                     let top = uniform(r, lead.0 - lh + 1) * scale;
                     let left = uniform(splitmix64(r), lead.1 - lw + 1) * scale;
-                    view.crop(top, left, *height, *width).map_err(&err)?;
+                    view.crop(top, left, *height, *width).map_err(|problem| self.geometry_error(problem))?;
                     lead = (lh, lw);
                 }
                 Step::RandomHFlip => {
@@ -695,7 +761,8 @@ impl Chain {
                         view = materialize_to_scratch(input, view, &affine, scratch);
                         affine = Affine::identity(c as usize);
                     }
-                    view = resize::resize_to_scratch(input, view, *height, *width, *filter, scratch).map_err(&err)?;
+                    view = resize::resize_to_scratch(input, view, *height, *width, *filter, scratch)
+                        .map_err(|problem| self.resize_error(problem))?;
                     lead = (height / scale, width / scale);
                 }
                 Step::ToF32 { scale } => affine.then_scale(*scale),
@@ -707,6 +774,39 @@ impl Chain {
         let src = scratch.slice(input, view.backing);
         write_out(src, &view, &affine, chw, dst);
         Ok(())
+    }
+
+    /// The spatial size `(h, w)` of this sample's input in the leader's
+    /// units: itself, or for a paired chain the leader's size (`leader`,
+    /// `None` when not given), which `(h, w)` must be `scale` times.
+    fn lead(&self, (h, w): (u64, u64), leader: Option<(u64, u64)>) -> Result<(u64, u64), TransformError> {
+        let err = |message: String| TransformError::Input { field: self.field.clone(), message };
+        match (&self.pair, leader) {
+            (None, _) => Ok((h, w)),
+            (Some(pair), Some((lh, lw))) => {
+                if Some(h) != pair.scale.checked_mul(lh) || Some(w) != pair.scale.checked_mul(lw) {
+                    return Err(err(format!(
+                        "is {h}×{w} but {:?} is {lh}×{lw}: at scale {} they must be {}×{}",
+                        pair.with,
+                        pair.scale,
+                        pair.scale.saturating_mul(lh),
+                        pair.scale.saturating_mul(lw)
+                    )));
+                }
+                Ok((lh, lw))
+            }
+            (Some(pair), None) => Err(err(format!("pairs with {:?} but its shape was not given", pair.with))),
+        }
+    }
+
+    /// A [`GeometryError`] of this chain's field.
+    fn geometry_error(&self, problem: GeometryError) -> TransformError {
+        TransformError::Geometry { field: self.field.clone(), problem }
+    }
+
+    /// A [`ResizeError`] of this chain's field.
+    fn resize_error(&self, problem: ResizeError) -> TransformError {
+        TransformError::Resize { field: self.field.clone(), problem }
     }
 }
 
@@ -771,13 +871,10 @@ struct View {
 
 impl View {
     /// Narrows to `height × width` at (`top`, `left`) in displayed (flipped) coordinates.
-    fn crop(&mut self, top: u64, left: u64, height: u64, width: u64) -> Result<(), String> {
+    fn crop(&mut self, top: u64, left: u64, height: u64, width: u64) -> Result<(), GeometryError> {
         if top + height > self.h || left + width > self.w {
             // Only reachable by a paired chain whose sizes are not `scale` × its leader's.
-            return Err(format!(
-                "crop {height}×{width} at ({top}, {left}) does not fit in {}×{}; are the paired sizes scale × the leader's?",
-                self.h, self.w
-            ));
+            return Err(GeometryError::CropOutside { top, left, height, width, rows: self.h, columns: self.w });
         }
         let column = if self.flipped { self.w - left - width } else { left };
         self.offset += top * self.stride + column * self.c;

@@ -13,7 +13,8 @@
 use stoker_proto::DType;
 
 use super::{
-    ArrayRef, Backing, Chain, SampleKey, Scratch, Step, TransformError, draw, f16_to_f32, splitmix64, uniform,
+    ArrayRef, Backing, Chain, GeometryError, SampleKey, Scratch, Step, TransformError, draw, f16_to_f32, splitmix64,
+    uniform,
 };
 
 /// The roles of axes: the spatial pair and the channel axis, by position.
@@ -28,30 +29,23 @@ impl Roles {
     /// The roles of a `rank`-d input under `spatial` (see [`Chain::with_spatial_axes`]).
     /// Below 2 dimensions only element steps (`cast`, `normalize`, `permute`)
     /// apply: `geometric` says whether the chain has others.
-    fn of(spatial: Option<[i64; 2]>, rank: usize, geometric: bool) -> Result<Roles, String> {
+    fn of(spatial: Option<[i64; 2]>, rank: usize, geometric: bool) -> Result<Roles, GeometryError> {
         if rank < 2 {
             if geometric || spatial.is_some() {
-                return Err(format!(
-                    "crops, flips, rotations, resizing, downsampling, chw and pairing need at least 2 \
-                     dimensions (two spatial axes), not {rank}; a {rank}-d field takes only cast, \
-                     normalize and permute"
-                ));
+                return Err(GeometryError::TooFewAxes { rank });
             }
             // No step reads the roles: placeholders.
             return Ok(Roles { y: 0, x: 0, channel: None });
         }
         let [a, b] = spatial.unwrap_or(if rank == 2 { [0, 1] } else { [-3, -2] });
-        let at = |a: i64| {
+        let at = |axis: i64| {
             let r = rank as i64;
-            let p = if a < 0 { r + a } else { a };
-            (0..r)
-                .contains(&p)
-                .then_some(p as usize)
-                .ok_or_else(|| format!("spatial axis {a} is outside a {rank}-d array"))
+            let p = if axis < 0 { r + axis } else { axis };
+            (0..r).contains(&p).then_some(p as usize).ok_or(GeometryError::AxisOutside { axis, rank })
         };
         let (y, x) = (at(a)?, at(b)?);
         if y == x {
-            return Err(format!("spatial axes {a} and {b} are the same axis"));
+            return Err(GeometryError::SameAxis { a, b });
         }
         let last = rank - 1;
         Ok(Roles { y, x, channel: (rank >= 3 && last != y && last != x).then_some(last) })
@@ -212,6 +206,25 @@ impl NdView {
         self.shape = permute(&self.shape, perm);
         self.strides = permute(&self.strides, perm);
         self.ids = permute(&self.ids, perm);
+    }
+
+    /// `np.rot90(m, k, axes=(y, x))`, `k` in `0..4`.
+    fn rot90(&mut self, k: u64, y: usize, x: usize) {
+        match k {
+            1 => {
+                self.flip(x);
+                self.swap(y, x);
+            }
+            2 => {
+                self.flip(y);
+                self.flip(x);
+            }
+            3 => {
+                self.swap(y, x);
+                self.flip(x);
+            }
+            _ => {}
+        }
     }
 
     fn len(&self) -> u64 {
@@ -467,6 +480,52 @@ fn write_rows(
     true
 }
 
+/// Dtype, shape and axis roles of an array on its way through
+/// [`Chain::output_nd`] (`None` marks a dimension that varies).
+struct NdOutput {
+    dtype: DType,
+    shape: Vec<Option<u64>>,
+    roles: Roles,
+}
+
+impl NdOutput {
+    /// What `chw` makes of the array: the channel axis (a size-1 one inserted
+    /// if there is none) before the spatial axes.
+    fn chw(&mut self) {
+        match chw_perm(self.roles, self.shape.len()) {
+            Some(perm) => {
+                self.shape = permute(&self.shape, &perm);
+                self.roles = self.roles.permuted(&perm);
+            }
+            None => {
+                let at = self.roles.y.min(self.roles.x);
+                self.shape.insert(at, Some(1));
+                self.roles = Roles { y: self.roles.y + 1, x: self.roles.x + 1, channel: Some(at) };
+            }
+        }
+    }
+}
+
+/// A chain's run on one array by [`Chain::apply_nd`], between steps.
+struct NdRun {
+    /// Where the current elements are, in which order.
+    view: NdView,
+    /// Conversions waiting for the copy out.
+    ops: Vec<Op>,
+    /// The dtype after `ops`.
+    converted: DType,
+    roles: Roles,
+    /// The spatial sizes in the leader's units (`scale` × lead = own size).
+    lead: (u64, u64),
+    /// Position among random steps: the draw's key.
+    random: u64,
+}
+
+/// `(1 / std, -mean / std)` per entry: `normalize` as `x * mul + add`.
+fn normalize_coefficients(mean: &[f32], std: &[f32]) -> Vec<(f64, f64)> {
+    mean.iter().zip(std).map(|(&m, &s)| (1.0 / f64::from(s), -f64::from(m) / f64::from(s))).collect()
+}
+
 impl Chain {
     /// Whether a step (or a pairing) works on the spatial axes: everything
     /// but the element conversions and `permute`.
@@ -491,129 +550,138 @@ impl Chain {
         dtype: DType,
         shape: &[Option<u64>],
     ) -> Result<(DType, Vec<Option<u64>>), TransformError> {
-        let input = |message: String| TransformError::Input { field: self.field.clone(), message };
-        let mut roles = Roles::of(self.spatial, shape.len(), self.geometric()).map_err(input)?;
-        let mut shape = shape.to_vec();
-        let mut dtype_out = dtype;
-        let check = |step: &dyn Fn() -> String, shape: &[Option<u64>], dtype: DType| {
-            let known: Vec<u64> = shape.iter().map(|d| d.unwrap_or(1)).collect();
-            let bytes = known.iter().try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d));
-            match bytes {
-                Some(b) if b <= self.max_bytes => Ok(()),
-                bytes => Err(TransformError::TooLarge {
-                    field: self.field.clone(),
-                    step: step(),
-                    dtype,
-                    shape: known,
-                    bytes,
-                    limit: self.max_bytes,
-                }),
-            }
-        };
-        check(&|| "the value as read".to_string(), &shape, dtype)?;
+        let roles = Roles::of(self.spatial, shape.len(), self.geometric()).map_err(|p| self.geometry_error(p))?;
+        let mut out = NdOutput { dtype, shape: shape.to_vec(), roles };
+        self.check_size_nd(&|| "the value as read".to_string(), &out.shape, dtype)?;
         for step in &self.steps {
-            let (y, x) = (roles.y, roles.x);
-            match step {
-                Step::CenterCrop { height, width } | Step::RandomCrop { height, width } => {
-                    if let (Some(hh), Some(ww)) = (shape[y], shape[x])
-                        && (*height > hh || *width > ww)
-                    {
-                        return Err(input(format!(
-                            "{}: cannot crop {height}×{width} from {hh}×{ww} (axes {y} and {x} of {})",
-                            step.describe(),
-                            fmt_shape(&shape)
-                        )));
-                    }
-                    (shape[y], shape[x]) = (Some(*height), Some(*width));
+            self.output_step_nd(step, &mut out)?;
+            self.check_size_nd(&|| step.describe(), &out.shape, out.dtype)?;
+        }
+        Ok((out.dtype, out.shape))
+    }
+
+    /// Checks an array of `shape` (an unknown dimension counts as 1) and
+    /// `dtype` after `step` against the chain's limit.
+    fn check_size_nd(
+        &self,
+        step: &dyn Fn() -> String,
+        shape: &[Option<u64>],
+        dtype: DType,
+    ) -> Result<(), TransformError> {
+        let known: Vec<u64> = shape.iter().map(|d| d.unwrap_or(1)).collect();
+        let bytes = known.iter().try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d));
+        match bytes {
+            Some(b) if b <= self.max_bytes => Ok(()),
+            bytes => Err(TransformError::TooLarge {
+                field: self.field.clone(),
+                step: step(),
+                dtype,
+                shape: known,
+                bytes,
+                limit: self.max_bytes,
+            }),
+        }
+    }
+
+    /// What `step` makes of an array of `out`'s dtype and shape, checking that it suits the step.
+    fn output_step_nd(&self, step: &Step, out: &mut NdOutput) -> Result<(), TransformError> {
+        let input = |message: String| TransformError::Input { field: self.field.clone(), message };
+        let NdOutput { dtype: dtype_out, shape, roles } = out;
+        let (y, x) = (roles.y, roles.x);
+        match step {
+            Step::CenterCrop { height, width } | Step::RandomCrop { height, width } => {
+                if let (Some(hh), Some(ww)) = (shape[y], shape[x])
+                    && (*height > hh || *width > ww)
+                {
+                    return Err(input(format!(
+                        "{}: cannot crop {height}×{width} from {hh}×{ww} (axes {y} and {x} of {})",
+                        step.describe(),
+                        fmt_shape(shape)
+                    )));
                 }
-                Step::NormalizeFrom { .. } => return Err(input(format!("{} was not resolved", step.describe()))),
-                Step::Resize { .. } => {
-                    return Err(input(
-                        "resize works on [h, w] and [h, w, c] images with crops, hflip, to_f32, normalize and chw \
-                         only; use downsample for other arrays"
-                            .into(),
-                    ));
-                }
-                Step::RandomHFlip | Step::RandomVFlip => {}
-                Step::RandomRot90 => {
-                    if let (Some(h), Some(w)) = (shape[y], shape[x])
-                        && h != w
-                    {
-                        return Err(input(format!(
-                            "rot90 needs equal spatial sizes, not {h}×{w} (axes {y} and {x} of {}); crop a square first",
-                            fmt_shape(&shape)
-                        )));
-                    }
-                }
-                Step::ToF32 { .. } => dtype_out = DType::F32,
-                Step::Cast { dtype } => dtype_out = *dtype,
-                Step::Normalize { mean, .. } => {
-                    if mean.len() > 1 {
-                        let last = shape.last().copied().flatten();
-                        if shape.is_empty() || last.is_some_and(|c| c != mean.len() as u64) {
-                            return Err(input(format!(
-                                "normalize has {} means for the last axis of {}; give one per element of that axis, \
-                                 or one for all",
-                                mean.len(),
-                                fmt_shape(&shape)
-                            )));
-                        }
-                    }
-                    dtype_out = DType::F32;
-                }
-                Step::NormalizeTrailing { dims, .. } => {
-                    let fits = dims.len() <= shape.len()
-                        && shape[shape.len() - dims.len()..].iter().zip(dims).all(|(s, d)| s.is_none_or(|s| s == *d));
-                    if !fits {
-                        return Err(input(format!(
-                            "normalize statistics of shape {dims:?} do not match the trailing axes of {}",
-                            fmt_shape(&shape)
-                        )));
-                    }
-                    dtype_out = DType::F32;
-                }
-                Step::Permute { axes } => {
-                    if axes.len() != shape.len() {
-                        return Err(input(format!(
-                            "permute {axes:?} names {} axes but the array is {}",
-                            axes.len(),
-                            fmt_shape(&shape)
-                        )));
-                    }
-                    shape = permute(&shape, axes);
-                    roles = roles.permuted(axes);
-                }
-                Step::ToChw => match chw_perm(roles, shape.len()) {
-                    Some(perm) => {
-                        shape = permute(&shape, &perm);
-                        roles = roles.permuted(&perm);
-                    }
-                    None => {
-                        let at = roles.y.min(roles.x);
-                        shape.insert(at, Some(1));
-                        roles = Roles { y: roles.y + 1, x: roles.x + 1, channel: Some(at) };
-                    }
-                },
-                Step::Downsample { factor, mean } => {
-                    for a in [y, x] {
-                        if let Some(d) = shape[a] {
-                            if d / factor == 0 {
-                                return Err(input(format!(
-                                    "downsample by {factor} leaves nothing of axis {a} ({d}) of {}",
-                                    fmt_shape(&shape)
-                                )));
-                            }
-                            shape[a] = Some(d / factor);
-                        }
-                    }
-                    if *mean && dtype_out != DType::F64 {
-                        dtype_out = DType::F32;
-                    }
+                (shape[y], shape[x]) = (Some(*height), Some(*width));
+            }
+            Step::NormalizeFrom { .. } => return Err(input(format!("{} was not resolved", step.describe()))),
+            Step::Resize { .. } => {
+                return Err(input(
+                    "resize works on [h, w] and [h, w, c] images with crops, hflip, to_f32, normalize and chw \
+                     only; use downsample for other arrays"
+                        .into(),
+                ));
+            }
+            Step::RandomHFlip | Step::RandomVFlip => {}
+            Step::RandomRot90 => {
+                if let (Some(h), Some(w)) = (shape[y], shape[x])
+                    && h != w
+                {
+                    return Err(input(format!(
+                        "rot90 needs equal spatial sizes, not {h}×{w} (axes {y} and {x} of {}); crop a square first",
+                        fmt_shape(shape)
+                    )));
                 }
             }
-            check(&|| step.describe(), &shape, dtype_out)?;
+            Step::ToF32 { .. } => *dtype_out = DType::F32,
+            Step::Cast { dtype } => *dtype_out = *dtype,
+            Step::Normalize { mean, .. } => {
+                if mean.len() > 1 {
+                    let last = shape.last().copied().flatten();
+                    if shape.is_empty() || last.is_some_and(|c| c != mean.len() as u64) {
+                        return Err(input(format!(
+                            "normalize has {} means for the last axis of {}; give one per element of that axis, \
+                             or one for all",
+                            mean.len(),
+                            fmt_shape(shape)
+                        )));
+                    }
+                }
+                *dtype_out = DType::F32;
+            }
+            Step::NormalizeTrailing { dims, .. } => {
+                let fits = dims.len() <= shape.len()
+                    && shape[shape.len() - dims.len()..].iter().zip(dims).all(|(s, d)| s.is_none_or(|s| s == *d));
+                if !fits {
+                    return Err(input(format!(
+                        "normalize statistics of shape {dims:?} do not match the trailing axes of {}",
+                        fmt_shape(shape)
+                    )));
+                }
+                *dtype_out = DType::F32;
+            }
+            Step::Permute { axes } => {
+                if axes.len() != shape.len() {
+                    return Err(input(format!(
+                        "permute {axes:?} names {} axes but the array is {}",
+                        axes.len(),
+                        fmt_shape(shape)
+                    )));
+                }
+                *shape = permute(shape, axes);
+                *roles = roles.permuted(axes);
+            }
+            Step::ToChw => out.chw(),
+            Step::Downsample { factor, mean } => self.downsample_output_nd(*factor, *mean, out)?,
         }
-        Ok((dtype_out, shape))
+        Ok(())
+    }
+
+    /// What a `downsample` by `factor` (a block mean with `mean`) makes of
+    /// `out`; refuses one that leaves nothing of a spatial axis.
+    fn downsample_output_nd(&self, factor: u64, mean: bool, out: &mut NdOutput) -> Result<(), TransformError> {
+        let (y, x) = (out.roles.y, out.roles.x);
+        for a in [y, x] {
+            if let Some(d) = out.shape[a] {
+                if d / factor == 0 {
+                    let message =
+                        format!("downsample by {factor} leaves nothing of axis {a} ({d}) of {}", fmt_shape(&out.shape));
+                    return Err(TransformError::Input { field: self.field.clone(), message });
+                }
+                out.shape[a] = Some(d / factor);
+            }
+        }
+        if mean && out.dtype != DType::F64 {
+            out.dtype = DType::F32;
+        }
+        Ok(())
     }
 
     /// [`Chain::apply`] for the n-dimensional engine.
@@ -626,172 +694,177 @@ impl Chain {
         dst: &mut [u8],
     ) -> Result<(), TransformError> {
         let ArrayRef { bytes: input, dtype, shape } = input;
+        let out_dtype = self.check_buffers_nd(dtype, shape, input.len(), dst.len())?;
+        let rank = shape.len();
+        let roles = Roles::of(self.spatial, rank, self.geometric()).map_err(|p| self.geometry_error(p))?;
+        let (h, w) = if rank >= 2 { (shape[roles.y], shape[roles.x]) } else { (1, 1) };
+        let leader = match (&self.pair, leader_shape) {
+            (Some(_), Some(leader)) => {
+                let lroles = Roles::of(self.spatial, leader.len(), true).map_err(|p| self.geometry_error(p))?;
+                Some((leader[lroles.y], leader[lroles.x]))
+            }
+            _ => None,
+        };
+        let mut run = NdRun {
+            view: NdView::contiguous(Backing::Input, shape.to_vec(), (0..rank).collect(), dtype),
+            ops: Vec::new(),
+            converted: dtype,
+            roles,
+            lead: self.lead((h, w), leader)?,
+            random: self.random_base,
+        };
+        for step in &self.steps {
+            self.apply_step_nd(&mut run, step, key, input, scratch)?;
+        }
+        let src = scratch.slice(input, run.view.backing);
+        write_out(src, &run.view, &run.ops, out_dtype, dst);
+        Ok(())
+    }
+
+    /// The output dtype for an input of `dtype` and `shape`, after checking
+    /// that the input holds `input_len` bytes and the destination `dst_len`.
+    fn check_buffers_nd(
+        &self,
+        dtype: DType,
+        shape: &[u64],
+        input_len: usize,
+        dst_len: usize,
+    ) -> Result<DType, TransformError> {
         let err = |message: String| TransformError::Input { field: self.field.clone(), message };
         let known: Vec<Option<u64>> = shape.iter().map(|&d| Some(d)).collect();
         let (out_dtype, out_shape) = self.output_nd(dtype, &known)?;
         let out_elems: u64 = out_shape.iter().map(|d| d.expect("known input gives a known output")).product();
-        if dst.len() as u64 != out_elems * out_dtype.size() as u64 {
-            return Err(err(format!(
-                "output is {out_dtype} {out_shape:?} but the destination holds {} bytes",
-                dst.len()
-            )));
+        if dst_len as u64 != out_elems * out_dtype.size() as u64 {
+            return Err(err(format!("output is {out_dtype} {out_shape:?} but the destination holds {dst_len} bytes")));
         }
-        let rank = shape.len();
         let elems: u64 = shape.iter().product();
-        if input.len() as u64 != elems * dtype.size() as u64 {
-            return Err(err(format!("input holds {} bytes, not {dtype} {shape:?}", input.len())));
+        if input_len as u64 != elems * dtype.size() as u64 {
+            return Err(err(format!("input holds {input_len} bytes, not {dtype} {shape:?}")));
         }
-        let mut roles = Roles::of(self.spatial, rank, self.geometric()).map_err(&err)?;
-        let (h, w) = if rank >= 2 { (shape[roles.y], shape[roles.x]) } else { (1, 1) };
+        Ok(out_dtype)
+    }
+
+    /// Runs one step on `run`: geometry moves the view, conversions queue
+    /// up, a mean downsample materializes into `scratch`.
+    fn apply_step_nd(
+        &self,
+        run: &mut NdRun,
+        step: &Step,
+        key: SampleKey,
+        input: &[u8],
+        scratch: &mut Scratch,
+    ) -> Result<(), TransformError> {
+        let (y, x) = (run.roles.y, run.roles.x);
+        match step {
+            Step::CenterCrop { height, width } | Step::RandomCrop { height, width } => {
+                self.crop_nd(run, matches!(step, Step::RandomCrop { .. }), *height, *width, key)?;
+            }
+            Step::RandomHFlip | Step::RandomVFlip => {
+                if draw(key, self.group, run.random) >> 63 == 1 {
+                    run.view.flip(if matches!(step, Step::RandomHFlip) { x } else { y });
+                }
+                run.random += 1;
+            }
+            Step::RandomRot90 => {
+                run.view.rot90(draw(key, self.group, run.random) >> 62, y, x);
+                run.random += 1;
+            }
+            Step::ToF32 { scale } => {
+                let s = f64::from(*scale);
+                run.ops.push(Op::Affine { ids: vec![], dims: vec![], coefficients: vec![(s, 0.0)] });
+                run.converted = DType::F32;
+            }
+            Step::Cast { dtype } => {
+                run.ops.push(Op::Cast(*dtype));
+                run.converted = *dtype;
+            }
+            Step::Normalize { mean, std } => {
+                let ids = &run.view.ids;
+                let (ids, dims) = if mean.len() == 1 {
+                    (vec![], vec![])
+                } else {
+                    (vec![ids[ids.len() - 1]], vec![mean.len() as u64])
+                };
+                run.ops.push(Op::Affine { ids, dims, coefficients: normalize_coefficients(mean, std) });
+                run.converted = DType::F32;
+            }
+            Step::NormalizeTrailing { mean, std, dims } => {
+                let ids = run.view.ids[run.view.ids.len() - dims.len()..].to_vec();
+                run.ops.push(Op::Affine { ids, dims: dims.clone(), coefficients: normalize_coefficients(mean, std) });
+                run.converted = DType::F32;
+            }
+            Step::Permute { axes } => {
+                run.view.permute(axes);
+                run.roles = run.roles.permuted(axes);
+            }
+            Step::ToChw => match chw_perm(run.roles, run.view.shape.len()) {
+                Some(perm) => {
+                    run.view.permute(&perm);
+                    run.roles = run.roles.permuted(&perm);
+                }
+                None => {
+                    let at = y.min(x);
+                    run.view.shape.insert(at, 1);
+                    run.view.strides.insert(at, 0);
+                    run.view.ids.insert(at, usize::MAX);
+                    run.roles = Roles { y: y + 1, x: x + 1, channel: Some(at) };
+                }
+            },
+            Step::Downsample { factor, mean: false } => {
+                let f = *factor;
+                for a in [y, x] {
+                    run.view.shape[a] /= f;
+                    run.view.strides[a] *= f as i64;
+                }
+                run.lead = (run.lead.0 / f, run.lead.1 / f);
+            }
+            Step::Downsample { factor, mean: true } => {
+                run.view = self.block_mean(input, &run.view, &run.ops, run.converted, *factor, (y, x), scratch);
+                run.ops.clear();
+                run.converted = run.view.dtype;
+                run.lead = (run.lead.0 / factor, run.lead.1 / factor);
+            }
+            Step::Resize { .. } | Step::NormalizeFrom { .. } => {
+                let message = format!("{} is not supported here", step.describe());
+                return Err(TransformError::Input { field: self.field.clone(), message });
+            }
+        }
+        Ok(())
+    }
+
+    /// A centre (or, with `random`, a drawn) crop of `height × width` from
+    /// the view's spatial axes, placed in the leader's units.
+    fn crop_nd(
+        &self,
+        run: &mut NdRun,
+        random: bool,
+        height: u64,
+        width: u64,
+        key: SampleKey,
+    ) -> Result<(), TransformError> {
+        let (y, x) = (run.roles.y, run.roles.x);
+        let (rows, columns) = (run.view.shape[y], run.view.shape[x]);
         let scale = self.pair.as_ref().map_or(1, |p| p.scale);
-        let mut lead = match (&self.pair, leader_shape) {
-            (None, _) => (h, w),
-            (Some(pair), Some(leader)) => {
-                let lroles = Roles::of(self.spatial, leader.len(), true).map_err(&err)?;
-                let (lh, lw) = (leader[lroles.y], leader[lroles.x]);
-                if Some(h) != pair.scale.checked_mul(lh) || Some(w) != pair.scale.checked_mul(lw) {
-                    return Err(err(format!(
-                        "is {h}×{w} but {:?} is {lh}×{lw}: at scale {} they must be {}×{}",
-                        pair.with,
-                        pair.scale,
-                        pair.scale.saturating_mul(lh),
-                        pair.scale.saturating_mul(lw)
-                    )));
-                }
-                (lh, lw)
-            }
-            (Some(pair), None) => return Err(err(format!("pairs with {:?} but its shape was not given", pair.with))),
-        };
-        let mut view = NdView::contiguous(Backing::Input, shape.to_vec(), (0..rank).collect(), dtype);
-        let mut ops: Vec<Op> = Vec::new();
-        let mut converted = dtype; // the dtype after `ops`
-        let mut random = self.random_base;
-        for step in &self.steps {
-            let (y, x) = (roles.y, roles.x);
-            match step {
-                Step::CenterCrop { height, width } | Step::RandomCrop { height, width } => {
-                    let (lh, lw) = (height / scale, width / scale);
-                    if lh > lead.0 || lw > lead.1 || *height > view.shape[y] || *width > view.shape[x] {
-                        return Err(err(format!(
-                            "cannot crop {height}×{width} from {}×{}",
-                            view.shape[y], view.shape[x]
-                        )));
-                    }
-                    let (top, left) = if matches!(step, Step::CenterCrop { .. }) {
-                        ((lead.0 - lh) / 2 * scale, (lead.1 - lw) / 2 * scale)
-                    } else {
-                        let r = draw(key, self.group, random);
-                        random += 1;
-                        (uniform(r, lead.0 - lh + 1) * scale, uniform(splitmix64(r), lead.1 - lw + 1) * scale)
-                    };
-                    if top + height > view.shape[y] || left + width > view.shape[x] {
-                        return Err(err(format!(
-                            "crop {height}×{width} at ({top}, {left}) does not fit in {}×{}; are the paired sizes \
-                             scale × the leader's?",
-                            view.shape[y], view.shape[x]
-                        )));
-                    }
-                    view.offset += top as i64 * view.strides[y] + left as i64 * view.strides[x];
-                    view.shape[y] = *height;
-                    view.shape[x] = *width;
-                    lead = (lh, lw);
-                }
-                Step::RandomHFlip | Step::RandomVFlip => {
-                    if draw(key, self.group, random) >> 63 == 1 {
-                        view.flip(if matches!(step, Step::RandomHFlip) { x } else { y });
-                    }
-                    random += 1;
-                }
-                Step::RandomRot90 => {
-                    // np.rot90(m, k, axes=(y, x)).
-                    match draw(key, self.group, random) >> 62 {
-                        1 => {
-                            view.flip(x);
-                            view.swap(y, x);
-                        }
-                        2 => {
-                            view.flip(y);
-                            view.flip(x);
-                        }
-                        3 => {
-                            view.swap(y, x);
-                            view.flip(x);
-                        }
-                        _ => {}
-                    }
-                    random += 1;
-                }
-                Step::ToF32 { scale } => {
-                    let s = f64::from(*scale);
-                    ops.push(Op::Affine { ids: vec![], dims: vec![], coefficients: vec![(s, 0.0)] });
-                    converted = DType::F32;
-                }
-                Step::Cast { dtype } => {
-                    ops.push(Op::Cast(*dtype));
-                    converted = *dtype;
-                }
-                Step::Normalize { mean, std } => {
-                    let coefficients = mean
-                        .iter()
-                        .zip(std)
-                        .map(|(&m, &s)| (1.0 / f64::from(s), -f64::from(m) / f64::from(s)))
-                        .collect();
-                    let (ids, dims) = if mean.len() == 1 {
-                        (vec![], vec![])
-                    } else {
-                        (vec![view.ids[view.ids.len() - 1]], vec![mean.len() as u64])
-                    };
-                    ops.push(Op::Affine { ids, dims, coefficients });
-                    converted = DType::F32;
-                }
-                Step::NormalizeTrailing { mean, std, dims } => {
-                    let coefficients = mean
-                        .iter()
-                        .zip(std)
-                        .map(|(&m, &s)| (1.0 / f64::from(s), -f64::from(m) / f64::from(s)))
-                        .collect();
-                    let ids = view.ids[view.ids.len() - dims.len()..].to_vec();
-                    ops.push(Op::Affine { ids, dims: dims.clone(), coefficients });
-                    converted = DType::F32;
-                }
-                Step::Permute { axes } => {
-                    view.permute(axes);
-                    roles = roles.permuted(axes);
-                }
-                Step::ToChw => match chw_perm(roles, view.shape.len()) {
-                    Some(perm) => {
-                        view.permute(&perm);
-                        roles = roles.permuted(&perm);
-                    }
-                    None => {
-                        let at = roles.y.min(roles.x);
-                        view.shape.insert(at, 1);
-                        view.strides.insert(at, 0);
-                        view.ids.insert(at, usize::MAX);
-                        roles = Roles { y: roles.y + 1, x: roles.x + 1, channel: Some(at) };
-                    }
-                },
-                Step::Downsample { factor, mean: false } => {
-                    let f = *factor;
-                    for a in [y, x] {
-                        view.shape[a] /= f;
-                        view.strides[a] *= f as i64;
-                    }
-                    lead = (lead.0 / f, lead.1 / f);
-                }
-                Step::Downsample { factor, mean: true } => {
-                    view = self.block_mean(input, view, &ops, converted, *factor, (y, x), scratch);
-                    ops.clear();
-                    converted = view.dtype;
-                    lead = (lead.0 / factor, lead.1 / factor);
-                }
-                Step::Resize { .. } | Step::NormalizeFrom { .. } => {
-                    return Err(err(format!("{} is not supported here", step.describe())));
-                }
-            }
+        let (lh, lw) = (height / scale, width / scale);
+        let lead = run.lead;
+        if lh > lead.0 || lw > lead.1 || height > rows || width > columns {
+            let message = format!("cannot crop {height}×{width} from {rows}×{columns}");
+            return Err(TransformError::Input { field: self.field.clone(), message });
         }
-        let src = scratch.slice(input, view.backing);
-        write_out(src, &view, &ops, out_dtype, dst);
+        let (top, left) = if random {
+            let r = draw(key, self.group, run.random);
+            run.random += 1;
+            (uniform(r, lead.0 - lh + 1) * scale, uniform(splitmix64(r), lead.1 - lw + 1) * scale)
+        } else {
+            ((lead.0 - lh) / 2 * scale, (lead.1 - lw) / 2 * scale)
+        };
+        if top + height > rows || left + width > columns {
+            return Err(self.geometry_error(GeometryError::CropOutside { top, left, height, width, rows, columns }));
+        }
+        run.view.offset += top as i64 * run.view.strides[y] + left as i64 * run.view.strides[x];
+        run.view.shape[y] = height;
+        run.view.shape[x] = width;
+        run.lead = (lh, lw);
         Ok(())
     }
 
@@ -801,7 +874,7 @@ impl Chain {
     fn block_mean(
         &self,
         input: &[u8],
-        view: NdView,
+        view: &NdView,
         ops: &[Op],
         converted: DType,
         factor: u64,
@@ -811,7 +884,7 @@ impl Chain {
         let flat = {
             let bytes = view.len() as usize * converted.size();
             let (src, buf, backing) = scratch.split(input, view.backing);
-            write_out(src, &view, ops, converted, buf.resize(bytes));
+            write_out(src, view, ops, converted, buf.resize(bytes));
             NdView::contiguous(backing, view.shape.clone(), view.ids.clone(), converted)
         };
         let out_dtype = if converted == DType::F64 { DType::F64 } else { DType::F32 };

@@ -31,17 +31,47 @@ fn pixel_type(dtype: DType, channels: u64) -> Option<PixelType> {
     })
 }
 
+/// Why a resize cannot run.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResizeError {
+    /// The pixels are of a type, or have a number of channels, resize does not handle.
+    #[error(
+        "resize handles uint8, uint16 and float32 data with 1–4 channels, not {dtype} with {shown} channels \
+         (add to_f32 before resize for other types)",
+        shown = channels.map_or("varying".to_string(), |c| c.to_string())
+    )]
+    Unsupported {
+        /// The pixels' type.
+        dtype: DType,
+        /// Their channels; `None` where they vary between samples.
+        channels: Option<u64>,
+    },
+    /// A width or height beyond `u32`.
+    #[error("{what} {size} is beyond what resize handles (2^32 - 1)")]
+    TooLarge {
+        /// `width` or `height`.
+        what: &'static str,
+        /// The size.
+        size: u64,
+    },
+    /// `fast_image_resize` refused the source image.
+    #[error("resize source: {0}")]
+    Source(fast_image_resize::ImageBufferError),
+    /// `fast_image_resize` refused the target image.
+    #[error("resize target: {0}")]
+    Target(fast_image_resize::ImageBufferError),
+    /// `fast_image_resize` failed to resize.
+    #[error("resize: {0}")]
+    Failed(fast_image_resize::ResizeError),
+}
+
 /// Whether pixels of `dtype` with `channels` (if known) can be resized.
-pub(super) fn check(dtype: DType, channels: Option<u64>) -> Result<(), String> {
+pub(super) fn check(dtype: DType, channels: Option<u64>) -> Result<(), ResizeError> {
     let channels_ok = channels.is_none_or(|c| (1..=4).contains(&c));
     if matches!(dtype, DType::U8 | DType::U16 | DType::F32) && channels_ok {
         Ok(())
     } else {
-        Err(format!(
-            "resize handles uint8, uint16 and float32 data with 1–4 channels, not {dtype} with {} channels \
-             (add to_f32 before resize for other types)",
-            channels.map_or("varying".to_string(), |c| c.to_string())
-        ))
+        Err(ResizeError::Unsupported { dtype, channels })
     }
 }
 
@@ -53,7 +83,7 @@ pub(super) fn resize_to_scratch(
     width: u64,
     filter: Filter,
     scratch: &mut Scratch,
-) -> Result<View, String> {
+) -> Result<View, ResizeError> {
     check(view.dtype, Some(view.c))?;
     debug_assert!(!view.flipped, "flips are settled before resizing");
     let pixel = pixel_type(view.dtype, view.c).expect("checked above");
@@ -65,13 +95,12 @@ pub(super) fn resize_to_scratch(
     };
     let full_w = view.stride / view.c;
     let full_h = src.len() as u64 / (view.stride * view.dtype.size() as u64);
-    let too_big = |what: &str, v: u64| format!("{what} {v} is beyond what resize handles (2^32 - 1)");
-    let u32_of = |what: &str, v: u64| u32::try_from(v).map_err(|_| too_big(what, v));
-    let source = ImageRef::new(u32_of("width", full_w)?, u32_of("height", full_h)?, src, pixel)
-        .map_err(|e| format!("resize source: {e}"))?;
+    let u32_of = |what: &'static str, size: u64| u32::try_from(size).map_err(|_| ResizeError::TooLarge { what, size });
+    let source =
+        ImageRef::new(u32_of("width", full_w)?, u32_of("height", full_h)?, src, pixel).map_err(ResizeError::Source)?;
     let bytes = (height * width * view.c) as usize * view.dtype.size();
     let mut target = Image::from_slice_u8(u32_of("width", width)?, u32_of("height", height)?, out.resize(bytes), pixel)
-        .map_err(|e| format!("resize target: {e}"))?;
+        .map_err(ResizeError::Target)?;
     let (top, left) = view.origin();
     let algorithm = match filter {
         Filter::Nearest => ResizeAlg::Nearest,
@@ -85,7 +114,7 @@ pub(super) fn resize_to_scratch(
         view.w as f64,
         view.h as f64,
     );
-    resizer.0.resize(&source, &mut target, &options).map_err(|e| format!("resize: {e}"))?;
+    resizer.0.resize(&source, &mut target, &options).map_err(ResizeError::Failed)?;
     Ok(View {
         backing,
         offset: 0,

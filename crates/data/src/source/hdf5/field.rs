@@ -33,6 +33,130 @@ use stoker_proto::DType;
 use crate::cache::{CacheCtx, Key, NEVER, Uses};
 use stoker_decode::filter::{self, FilterSpec};
 
+/// Why a field of a file cannot be opened or read; the caller adds the file
+/// and field (the messages follow them).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum FieldError {
+    /// libhdf5 reads the field, but lacks filters of its pipeline (these).
+    #[error("{}", undecodable(missing))]
+    Undecodable {
+        /// The filters nothing here decodes.
+        missing: Vec<FilterSpec>,
+    },
+    /// A read of contiguous storage failed.
+    #[error("read of {bytes} bytes at file offset {offset}: {error}")]
+    Read {
+        /// Bytes asked for.
+        bytes: usize,
+        /// Where in the file.
+        offset: u64,
+        /// The system's error.
+        error: std::io::Error,
+    },
+    /// libhdf5 cannot say where the chunk at `chunk` (its first element) is stored.
+    #[error("cannot locate the chunk at {chunk:?} (H5Dget_chunk_info_by_coord failed)")]
+    Locate {
+        /// The chunk's first element.
+        chunk: Vec<u64>,
+    },
+    /// An unfiltered chunk is stored in a different size than it holds.
+    #[error("chunk at {chunk:?}: {stored} bytes stored, expected {expected}")]
+    StoredSize {
+        /// The chunk's first element.
+        chunk: Vec<u64>,
+        /// Bytes the chunk index gives.
+        stored: u64,
+        /// Bytes of one chunk.
+        expected: usize,
+    },
+    /// A read of an unfiltered chunk's runs failed.
+    #[error("chunk at {chunk:?}: read failed: {error}")]
+    ChunkRead {
+        /// The chunk's first element.
+        chunk: Vec<u64>,
+        /// The system's error.
+        error: std::io::Error,
+    },
+    /// The file's size, to check a filtered chunk against, cannot be read.
+    #[error("{at}: {error}")]
+    FileSize {
+        /// The chunk.
+        at: StoredChunk,
+        /// The system's error.
+        error: std::io::Error,
+    },
+    /// The chunk index puts a filtered chunk past the end of the file.
+    #[error(
+        "{at}: the chunk index says it ends past the end of the file ({file_bytes} bytes); the file is truncated \
+         or corrupt (h5py/h5dump will fail on it too)"
+    )]
+    PastEnd {
+        /// The chunk.
+        at: StoredChunk,
+        /// The file's size.
+        file_bytes: u64,
+    },
+    /// The chunk index gives a filtered chunk more bytes than any filter makes of it.
+    #[error(
+        "{at}: more than any filter makes of a {chunk_bytes}-byte chunk; the chunk index is corrupt (h5py/h5dump \
+         will fail on it too)"
+    )]
+    Oversized {
+        /// The chunk.
+        at: StoredChunk,
+        /// Bytes of one chunk decoded.
+        chunk_bytes: usize,
+    },
+    /// The read of a filtered chunk's stored bytes failed.
+    #[error("{at}: read failed: {error}")]
+    StoredRead {
+        /// The chunk.
+        at: StoredChunk,
+        /// The system's error.
+        error: std::io::Error,
+    },
+    /// A filtered chunk does not decode.
+    #[error("{at}: {error}; the file may be corrupt (h5py/h5dump will fail on it too)")]
+    Decode {
+        /// The chunk.
+        at: StoredChunk,
+        /// The decoder's error.
+        error: filter::FilterError,
+    },
+    /// libhdf5 gave no dataspace for the dataset.
+    #[error("H5Dget_space failed")]
+    NoSpace,
+    /// `H5Dread` of the block failed.
+    #[error(
+        "libhdf5 failed to read the block at {start:?} of shape {count:?} (corrupt data, or a filter plugin that \
+         is not installed: set HDF5_PLUGIN_PATH)"
+    )]
+    Library {
+        /// The block's first element.
+        start: Vec<u64>,
+        /// Its shape.
+        count: Vec<u64>,
+    },
+}
+
+/// A filtered chunk as messages name it: where it starts in the dataset,
+/// where it is stored and how many bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct StoredChunk {
+    /// The chunk's first element.
+    start: Vec<u64>,
+    /// Its file offset.
+    addr: u64,
+    /// Its stored bytes.
+    stored: u64,
+}
+
+impl std::fmt::Display for StoredChunk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "chunk at {:?} (file offset {}, {} bytes stored)", self.start, self.addr, self.stored)
+    }
+}
+
 /// How a field's bytes are found.
 #[derive(Debug)]
 pub(crate) enum Layout {
@@ -126,7 +250,7 @@ impl FieldReader {
         mem_type: hdf5::Datatype,
         cache_id: u64,
         fast_path: bool,
-    ) -> Result<FieldReader, String> {
+    ) -> Result<FieldReader, FieldError> {
         let dims: Vec<u64> = dataset.shape().iter().map(|&d| d as u64).collect();
         let elem = dtype.size();
         let order = file_type.byte_order();
@@ -144,7 +268,7 @@ impl FieldReader {
                     Some(offset) => Layout::Contiguous { offset },
                     None => Layout::Library { reason: "contiguous storage not allocated (never written)".into() },
                 },
-                hdf5::dataset::Layout::Chunked => chunked(&dataset, file_type, &dims, elem)?,
+                hdf5::dataset::Layout::Chunked => chunked(&dataset, file_type, &dims, elem),
                 hdf5::dataset::Layout::Compact => Layout::Library { reason: "compact layout".into() },
                 #[allow(unreachable_patterns)]
                 other => Layout::Library { reason: format!("{other:?} layout") },
@@ -155,7 +279,7 @@ impl FieldReader {
             let missing: Vec<FilterSpec> =
                 pipeline(&dataset).into_iter().filter(|f| !library_has_filter(f.id)).collect();
             if !missing.is_empty() {
-                return Err(undecodable(&missing));
+                return Err(FieldError::Undecodable { missing });
             }
         }
         Ok(FieldReader { dataset, dims, elem, swap, mem_type, layout, cache_id })
@@ -171,7 +295,7 @@ impl FieldReader {
         start: &[u64],
         count: &[u64],
         dst: &mut [u8],
-    ) -> Result<(), String> {
+    ) -> Result<(), FieldError> {
         debug_assert_eq!(dst.len() as u64, count.iter().product::<u64>() * self.elem as u64);
         match &self.layout {
             Layout::Contiguous { offset } => {
@@ -183,8 +307,11 @@ impl FieldReader {
                     debug_assert!(s < dim || count[d] == 0);
                 }
                 let at = offset + at;
-                file.read_exact_at(dst, at)
-                    .map_err(|e| format!("read of {} bytes at file offset {at}: {e}", dst.len()))?;
+                file.read_exact_at(dst, at).map_err(|error| FieldError::Read {
+                    bytes: dst.len(),
+                    offset: at,
+                    error,
+                })?;
             }
             Layout::Chunked(c) => self.read_chunked(c, file, cache, start, count, dst)?,
             Layout::Library { .. } => return self.read_library(start, count, dst),
@@ -205,7 +332,7 @@ impl FieldReader {
         start: &[u64],
         count: &[u64],
         dst: &mut [u8],
-    ) -> Result<(), String> {
+    ) -> Result<(), FieldError> {
         let rank = self.dims.len();
         if count.contains(&0) {
             return Ok(());
@@ -220,18 +347,19 @@ impl FieldReader {
             if c.filters.is_empty() {
                 // Unfiltered: read just the runs needed, straight into place.
                 let loc = self.location(c, linear, &chunk_start)?;
-                let what = |e| format!("chunk at {chunk_start:?}: read failed: {e}");
                 let from = match loc.addr {
                     Some(addr) if loc.size as usize == c.chunk_bytes => ChunkBytes::File { file, addr },
                     Some(_) => {
-                        return Err(format!(
-                            "chunk at {chunk_start:?}: {} bytes stored, expected {}",
-                            loc.size, c.chunk_bytes
-                        ));
+                        return Err(FieldError::StoredSize {
+                            chunk: chunk_start,
+                            stored: loc.size,
+                            expected: c.chunk_bytes,
+                        });
                     }
                     None => ChunkBytes::Fill(&c.fill),
                 };
-                copy_region(c, self.elem, &chunk_start, start, count, from, dst).map_err(what)?;
+                copy_region(c, self.elem, &chunk_start, start, count, from, dst)
+                    .map_err(|error| FieldError::ChunkRead { chunk: chunk_start.clone(), error })?;
             } else {
                 let data = self.decoded_chunk(c, file, cache, linear, &chunk_start)?;
                 let from = data.as_deref().map_or(ChunkBytes::Fill(&c.fill), |d| ChunkBytes::Memory(d));
@@ -262,34 +390,25 @@ impl FieldReader {
         cache: &ChunkUse<'_>,
         linear: u64,
         chunk_start: &[u64],
-    ) -> Result<Option<Arc<Vec<u8>>>, String> {
+    ) -> Result<Option<Arc<Vec<u8>>>, FieldError> {
         let key = Key { space: self.cache_id, item: linear };
         cache.ctx.caches.chunks.get_or_load(&key, cache.ctx.dataset, || {
             let loc = self.location(c, linear, chunk_start)?;
             let Some(addr) = loc.addr else { return Ok(None) };
-            let what = || format!("chunk at {chunk_start:?} (file offset {addr}, {} bytes stored)", loc.size);
+            let at = || StoredChunk { start: chunk_start.to_vec(), addr, stored: loc.size };
             // The chunk index is file contents: its size is checked before it is allocated.
-            let len = file.metadata().map_err(|e| format!("{}: {e}", what()))?.len();
+            let len = file.metadata().map_err(|error| FieldError::FileSize { at: at(), error })?.len();
             if addr.checked_add(loc.size).is_none_or(|end| end > len) {
-                return Err(format!(
-                    "{}: the chunk index says it ends past the end of the file ({len} bytes); \
-                     the file is truncated or corrupt (h5py/h5dump will fail on it too)",
-                    what()
-                ));
+                return Err(FieldError::PastEnd { at: at(), file_bytes: len });
             }
             if loc.size > max_stored(c.chunk_bytes) {
-                return Err(format!(
-                    "{}: more than any filter makes of a {}-byte chunk; the chunk index is corrupt \
-                     (h5py/h5dump will fail on it too)",
-                    what(),
-                    c.chunk_bytes
-                ));
+                return Err(FieldError::Oversized { at: at(), chunk_bytes: c.chunk_bytes });
             }
             let mut stored = vec![0u8; loc.size as usize];
-            file.read_exact_at(&mut stored, addr).map_err(|e| format!("{}: read failed: {e}", what()))?;
+            file.read_exact_at(&mut stored, addr).map_err(|error| FieldError::StoredRead { at: at(), error })?;
             let mut out = Vec::new();
             filter::decode_chunk(&c.filters, loc.filter_mask, &stored, self.elem, c.chunk_bytes, &mut out)
-                .map_err(|e| format!("{}: {e}; the file may be corrupt (h5py/h5dump will fail on it too)", what()))?;
+                .map_err(|error| FieldError::Decode { at: at(), error })?;
             // The samples that read this chunk: those of the items it spans
             // (every sample, for a constant field).
             let uses = match cache.items {
@@ -307,7 +426,7 @@ impl FieldReader {
         })
     }
 
-    fn location(&self, c: &Chunked, linear: u64, chunk_start: &[u64]) -> Result<Location, String> {
+    fn location(&self, c: &Chunked, linear: u64, chunk_start: &[u64]) -> Result<Location, FieldError> {
         if let Some(loc) = c.locations.read().unwrap_or_else(|e| e.into_inner()).get(&linear) {
             return Ok(*loc);
         }
@@ -328,7 +447,7 @@ impl FieldReader {
             }
         });
         if status < 0 {
-            return Err(format!("cannot locate the chunk at {chunk_start:?} (H5Dget_chunk_info_by_coord failed)"));
+            return Err(FieldError::Locate { chunk: chunk_start.to_vec() });
         }
         let loc = Location { addr: (addr != hdf5_sys::h5::HADDR_UNDEF).then_some(addr), size, filter_mask: mask };
         let mut locations = c.locations.write().unwrap_or_else(|e| e.into_inner());
@@ -340,7 +459,7 @@ impl FieldReader {
     }
 
     /// `H5Dread` of the block under the library lock, converting to native order.
-    fn read_library(&self, start: &[u64], count: &[u64], dst: &mut [u8]) -> Result<(), String> {
+    fn read_library(&self, start: &[u64], count: &[u64], dst: &mut [u8]) -> Result<(), FieldError> {
         use hdf5_sys::h5d::{H5Dget_space, H5Dread};
         use hdf5_sys::h5p::H5P_DEFAULT;
         use hdf5_sys::h5s::{H5S_seloper_t, H5Sclose, H5Screate_simple, H5Sselect_hyperslab};
@@ -355,7 +474,7 @@ impl FieldReader {
             unsafe {
                 let file_space = H5Dget_space(self.dataset.id());
                 if file_space < 0 {
-                    return Err("H5Dget_space failed".to_string());
+                    return Err(FieldError::NoSpace);
                 }
                 let mem_space = H5Screate_simple(1, mem_dims.as_ptr(), std::ptr::null());
                 // A scalar dataspace (rank 0, a constant field) has one element, selected already.
@@ -386,10 +505,7 @@ impl FieldReader {
                 }
                 H5Sclose(file_space);
                 if status < 0 || mem_space < 0 {
-                    return Err(format!(
-                        "libhdf5 failed to read the block at {start:?} of shape {count:?} (corrupt data, or a \
-                         filter plugin that is not installed: set HDF5_PLUGIN_PATH)"
-                    ));
+                    return Err(FieldError::Library { start: start.to_vec(), count: count.to_vec() });
                 }
                 Ok(())
             }
@@ -600,7 +716,7 @@ pub(crate) fn decoded_chunk_bytes(dataset: &hdf5::Dataset, elem: usize) -> Optio
 }
 
 /// Reads the chunked layout's metadata: chunk shape, filters, fill value.
-fn chunked(dataset: &hdf5::Dataset, file_type: &hdf5::Datatype, dims: &[u64], elem: usize) -> Result<Layout, String> {
+fn chunked(dataset: &hdf5::Dataset, file_type: &hdf5::Datatype, dims: &[u64], elem: usize) -> Layout {
     use hdf5_sys::h5d::H5Dget_create_plist;
     use hdf5_sys::h5p::{H5Pclose, H5Pget_chunk, H5Pget_fill_value, H5Pget_filter2, H5Pget_nfilters};
 
@@ -647,18 +763,18 @@ fn chunked(dataset: &hdf5::Dataset, file_type: &hdf5::Datatype, dims: &[u64], el
         }
     });
     if !ok || chunk.contains(&0) {
-        return Ok(Layout::Library { reason: "cannot read the chunk layout".into() });
+        return Layout::Library { reason: "cannot read the chunk layout".into() };
     }
     if let Some(reason) = filter::unsupported_reason(&filters) {
-        return Ok(Layout::Library { reason });
+        return Layout::Library { reason };
     }
     let grid = dims.iter().zip(&chunk).map(|(&d, &c)| d.div_ceil(c)).collect();
     let Some(chunk_bytes) =
         chunk.iter().try_fold(elem, |acc, &d| usize::try_from(d).ok().and_then(|d| acc.checked_mul(d)))
     else {
-        return Ok(Layout::Library { reason: "chunk size does not fit in memory".into() });
+        return Layout::Library { reason: "chunk size does not fit in memory".into() };
     };
-    Ok(Layout::Chunked(Chunked { chunk, grid, chunk_bytes, filters, fill, locations: RwLock::new(HashMap::new()) }))
+    Layout::Chunked(Chunked { chunk, grid, chunk_bytes, filters, fill, locations: RwLock::new(HashMap::new()) })
 }
 
 /// The size in bytes of `file_type` when it is an HDF5 bitfield

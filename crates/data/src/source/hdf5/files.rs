@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 
 use self::field::FieldReader;
-use crate::fsaccess::{self, FileId, Want};
+use crate::fsaccess::{self, ChangedError, FileId, Want};
 use crate::source::{FieldSpec, SourceError};
 
 use super::*;
@@ -160,10 +160,10 @@ pub(super) fn check_unchanged(file: &Hdf5File, handle: &OpenHdf5) -> Result<(), 
     if last != 0 && now_us.saturating_sub(last) < CHANGE_CHECK_US {
         return Ok(());
     }
-    let changed = |message: String| SourceError::Changed { path: file.path.clone(), message };
-    let now = FileId::of(&handle.raw).map_err(|e| changed(format!("cannot be checked for changes: {e}")))?;
+    let changed = |problem| SourceError::Changed { path: file.path.clone(), problem };
+    let now = FileId::of(&handle.raw).map_err(|e| changed(ChangedError::Unchecked(e)))?;
     if let Some(change) = file.id.change(&now) {
-        return Err(changed(format!("{change} while being served; open a new Loader to read the new contents")));
+        return Err(changed(ChangedError::Changed(change)));
     }
     file.checked_us.store(now_us, Ordering::Relaxed);
     Ok(())
@@ -207,121 +207,36 @@ pub(super) fn open_file(
     geometry: Option<&Geometry>,
     cache_ids: &[u64],
 ) -> Result<(OpenHdf5, Vec<FieldSpec>, u64, u64), SourceError> {
-    let open_err = |message: String| SourceError::Open { path: path.to_owned(), message };
     // libhdf5's default chunk cache is 1 MiB per dataset: reads of rows from a
     // few different chunks in turn (parallel fills) would decompress whole
     // chunks again for every row on the libhdf5 path. 16 MiB per dataset.
     let h5 = hdf5::File::with_options()
         .with_fapl(|fapl| fapl.chunk_cache(4093, 16 << 20, 0.75))
         .open(fsaccess::fd_path(&raw))
-        .map_err(|e| open_err(e.to_string()))?;
+        .map_err(|e| SourceError::Open { path: path.to_owned(), message: e.to_string() })?;
     let mut specs = Vec::with_capacity(spec.fields.len());
     let mut readers = Vec::with_capacity(spec.fields.len());
     // (length, field name) of the first field along axis 0, and along axis 1 for windowed fields.
-    let mut items: Option<(u64, &str)> = None;
-    let mut steps: Option<(u64, &str)> = None;
+    let mut lengths = Lengths::default();
     for (((name, h5path), &role), &cache_id) in spec.fields.iter().zip(roles).zip(cache_ids) {
-        let field_err = |message: String| SourceError::Inconsistent {
-            path: path.to_owned(),
-            field: name.clone(),
-            h5path: h5path.clone(),
-            message,
-        };
+        let at = FieldAt { path, name, h5path };
         let dataset = field::open_own_dataset(&h5, h5path).map_err(|why| match why.explain() {
-            Some(message) => field_err(message),
+            Some(message) => at.error(message),
             None => SourceError::MissingField { path: path.to_owned(), field: name.clone(), h5path: h5path.clone() },
         })?;
         let shape: Vec<u64> = dataset.shape().iter().map(|&d| d as u64).collect();
-        let (len, rest) = match shape.split_first() {
-            _ if !role.has_item_axis() => (None, &shape[..]),
-            Some((&len, rest)) => (Some(len), rest),
-            None => {
-                return Err(field_err(
-                    "is a scalar; a field needs a first axis to index samples by (list it in constant to deliver \
-                     it whole with every sample)"
-                        .into(),
-                ));
-            }
-        };
-        match (items, len) {
-            (_, None) => {}
-            (None, Some(len)) => items = Some((len, name)),
-            (Some((first_len, first_name)), Some(len)) if first_len != len => {
-                return Err(field_err(format!(
-                    "has {len} items along the first axis but field {first_name:?} has {first_len}; \
-                     all fields of a dataset must have the same length in each file (list fields without \
-                     the item axis in constant)"
-                )));
-            }
-            (Some(_), Some(_)) => {}
-        }
-        let sample_shape = match role {
-            Role::Constant => shape.clone(),
-            Role::Item => rest.to_vec(),
-            Role::Steps { count, .. } => {
-                // `rest` follows the item axis; a time_only field's is its whole shape.
-                let axis = if rest.len() == shape.len() { 0 } else { 1 };
-                let Some((&time, trailing)) = rest.split_first() else {
-                    return Err(field_err(format!(
-                        "has shape {shape:?}; a windowed field needs a time axis (axis 1); list it in per_item \
-                         to deliver it whole per item, or in constant if it has no item axis either"
-                    )));
-                };
-                if let Some(g) = geometry.filter(|g| time < g.span) {
-                    return Err(field_err(window_too_long(g, time, spec.sampling.n_steps_input)));
-                }
-                match steps {
-                    None => steps = Some((time, name)),
-                    Some((first_time, first_name)) if first_time != time => {
-                        return Err(field_err(format!(
-                            "has {time} steps along axis {axis} (its time axis) but windowed field {first_name:?} has \
-                         {first_time}"
-                        )));
-                    }
-                    Some(_) => {}
-                }
-                std::iter::once(count).chain(trailing.iter().copied()).collect()
-            }
-        };
-        let file_type = dataset.dtype().map_err(|e| field_err(e.to_string()))?;
+        let sample_shape = sample_shape(&at, role, &shape, geometry, spec.sampling.n_steps_input, &mut lengths)?;
+        let file_type = dataset.dtype().map_err(|e| at.error(e.to_string()))?;
         let (dtype, descriptor) = classify(&file_type).map_err(|found| SourceError::Dtype {
             path: path.to_owned(),
             field: name.clone(),
             h5path: h5path.clone(),
-            found,
+            found: found.to_string(),
         })?;
-        // Offsets into the dataset and the sample's size must fit in 64 bits
-        // (and in memory) before any of them is computed.
-        let sample_bytes = sample_shape.iter().try_fold(dtype.size() as u64, |acc: u64, &d| acc.checked_mul(d));
-        let total_bytes = shape.iter().try_fold(dtype.size() as u64, |acc: u64, &d| acc.checked_mul(d));
-        if sample_bytes.is_none_or(|b| b > isize::MAX as u64) || total_bytes.is_none() {
-            let what = if sample_bytes.is_none_or(|b| b > isize::MAX as u64) {
-                format!("one sample of {dtype} {sample_shape:?}")
-            } else {
-                format!("the whole dataset ({dtype} {shape:?})")
-            };
-            return Err(SourceError::Limit(format!(
-                "{}: field {name:?} ({h5path:?}) has shape {shape:?}: {what} takes more than 2^63 bytes; stoker cannot \
-                 serve it (check the file; [limits] max_sample_bytes bounds what a sample may take)",
-                path.display()
-            )));
-        }
-        if let Some(bytes) = field::decoded_chunk_bytes(&dataset, dtype.size())
-            && bytes > spec.max_chunk_bytes
-        {
-            let chunk = dataset.chunk().unwrap_or_default();
-            return Err(SourceError::Limit(format!(
-                "{}: field {name:?} ({h5path:?}) is stored in compressed chunks of {chunk:?} {dtype}, {bytes} bytes each \
-                 decoded, more than [limits] max_sample_bytes = {} bytes; every read decodes a whole chunk: rechunk \
-                 the dataset to smaller chunks (e.g. h5repack -l {h5path}:CHUNK=...), or ask the daemon's admin to \
-                 raise the limit",
-                path.display(),
-                spec.max_chunk_bytes
-            )));
-        }
-        let mem_type = mem_type(&file_type, &descriptor).map_err(|e| field_err(e.to_string()))?;
-        let reader =
-            FieldReader::new(dataset, dtype, &file_type, mem_type, cache_id, spec.fast_path).map_err(field_err)?;
+        check_sizes(&at, &dataset, dtype, &shape, &sample_shape, spec.max_chunk_bytes)?;
+        let mem_type = mem_type(&file_type, &descriptor).map_err(|e| at.error(e.to_string()))?;
+        let reader = FieldReader::new(dataset, dtype, &file_type, mem_type, cache_id, spec.fast_path)
+            .map_err(|e| at.error(e.to_string()))?;
         specs.push(FieldSpec {
             name: name.clone(),
             origin: h5path.clone(),
@@ -331,10 +246,148 @@ pub(super) fn open_file(
         });
         readers.push(reader);
     }
-    let items = items.map_or(0, |(len, _)| len);
-    let steps = match steps {
+    let items = lengths.items.map_or(0, |(len, _)| len);
+    let steps = match lengths.steps {
         Some((time, ..)) => time,
         None => 0,
     };
     Ok((OpenHdf5 { _h5: h5, raw, fields: readers }, specs, items, steps))
+}
+
+/// A field of a file, for its errors.
+struct FieldAt<'a> {
+    path: &'a Path,
+    name: &'a str,
+    h5path: &'a str,
+}
+
+impl FieldAt<'_> {
+    /// The field disagrees with the others, or cannot be served as it is.
+    fn error(&self, message: String) -> SourceError {
+        SourceError::Inconsistent {
+            path: self.path.to_owned(),
+            field: self.name.to_string(),
+            h5path: self.h5path.to_string(),
+            message,
+        }
+    }
+}
+
+/// The lengths the fields of a file must share, as the first field that has
+/// each gave it: `(length, field name)`.
+#[derive(Default)]
+struct Lengths<'a> {
+    /// Along the item axis (axis 0).
+    items: Option<(u64, &'a str)>,
+    /// Along the time axis of the windowed fields.
+    steps: Option<(u64, &'a str)>,
+}
+
+/// The shape of one sample of the field `at` of dataset shape `shape` in
+/// `role`: checks its item axis and time axis against the other fields'
+/// (`lengths`, which the first field to have each sets) and that a window
+/// (`geometry`) fits in its steps.
+fn sample_shape<'a>(
+    at: &FieldAt<'a>,
+    role: Role,
+    shape: &[u64],
+    geometry: Option<&Geometry>,
+    n_steps_input: Option<u64>,
+    lengths: &mut Lengths<'a>,
+) -> Result<Vec<u64>, SourceError> {
+    let name = at.name;
+    let (len, rest) = match shape.split_first() {
+        _ if !role.has_item_axis() => (None, shape),
+        Some((&len, rest)) => (Some(len), rest),
+        None => {
+            return Err(at.error(
+                "is a scalar; a field needs a first axis to index samples by (list it in constant to deliver \
+                 it whole with every sample)"
+                    .into(),
+            ));
+        }
+    };
+    match (lengths.items, len) {
+        (_, None) => {}
+        (None, Some(len)) => lengths.items = Some((len, name)),
+        (Some((first_len, first_name)), Some(len)) if first_len != len => {
+            return Err(at.error(format!(
+                "has {len} items along the first axis but field {first_name:?} has {first_len}; \
+                 all fields of a dataset must have the same length in each file (list fields without \
+                 the item axis in constant)"
+            )));
+        }
+        (Some(_), Some(_)) => {}
+    }
+    Ok(match role {
+        Role::Constant => shape.to_vec(),
+        Role::Item => rest.to_vec(),
+        Role::Steps { count, .. } => {
+            // `rest` follows the item axis; a time_only field's is its whole shape.
+            let axis = if rest.len() == shape.len() { 0 } else { 1 };
+            let Some((&time, trailing)) = rest.split_first() else {
+                return Err(at.error(format!(
+                    "has shape {shape:?}; a windowed field needs a time axis (axis 1); list it in per_item \
+                     to deliver it whole per item, or in constant if it has no item axis either"
+                )));
+            };
+            if let Some(g) = geometry.filter(|g| time < g.span) {
+                return Err(at.error(window_too_long(g, time, n_steps_input)));
+            }
+            match lengths.steps {
+                None => lengths.steps = Some((time, name)),
+                Some((first_time, first_name)) if first_time != time => {
+                    return Err(at.error(format!(
+                        "has {time} steps along axis {axis} (its time axis) but windowed field {first_name:?} has \
+                         {first_time}"
+                    )));
+                }
+                Some(_) => {}
+            }
+            std::iter::once(count).chain(trailing.iter().copied()).collect()
+        }
+    })
+}
+
+/// Refuses a field whose offsets or sample size (of `dtype`, dataset shape
+/// `shape`, sample shape `sample_shape`) do not fit in 64 bits (and in
+/// memory), or whose compressed chunks decode to more than `max_chunk_bytes`.
+fn check_sizes(
+    at: &FieldAt<'_>,
+    dataset: &hdf5::Dataset,
+    dtype: stoker_proto::DType,
+    shape: &[u64],
+    sample_shape: &[u64],
+    max_chunk_bytes: u64,
+) -> Result<(), SourceError> {
+    let FieldAt { path, name, h5path } = at;
+    // Offsets into the dataset and the sample's size must fit in 64 bits
+    // (and in memory) before any of them is computed.
+    let sample_bytes = sample_shape.iter().try_fold(dtype.size() as u64, |acc: u64, &d| acc.checked_mul(d));
+    let total_bytes = shape.iter().try_fold(dtype.size() as u64, |acc: u64, &d| acc.checked_mul(d));
+    if sample_bytes.is_none_or(|b| b > isize::MAX as u64) || total_bytes.is_none() {
+        let what = if sample_bytes.is_none_or(|b| b > isize::MAX as u64) {
+            format!("one sample of {dtype} {sample_shape:?}")
+        } else {
+            format!("the whole dataset ({dtype} {shape:?})")
+        };
+        return Err(SourceError::Limit(format!(
+            "{}: field {name:?} ({h5path:?}) has shape {shape:?}: {what} takes more than 2^63 bytes; stoker cannot \
+             serve it (check the file; [limits] max_sample_bytes bounds what a sample may take)",
+            path.display()
+        )));
+    }
+    if let Some(bytes) = field::decoded_chunk_bytes(dataset, dtype.size())
+        && bytes > max_chunk_bytes
+    {
+        let chunk = dataset.chunk().unwrap_or_default();
+        return Err(SourceError::Limit(format!(
+            "{}: field {name:?} ({h5path:?}) is stored in compressed chunks of {chunk:?} {dtype}, {bytes} bytes each \
+             decoded, more than [limits] max_sample_bytes = {max_chunk_bytes} bytes; every read decodes a whole \
+             chunk: rechunk the dataset to smaller chunks (e.g. h5repack -l {h5path}:CHUNK=...), or ask the \
+             daemon's admin to raise the limit",
+            path.display()
+        )));
+    }
+    Ok(())
 }

@@ -117,41 +117,67 @@ pub(super) fn dt_word(sample: SampleRef) -> u64 {
 /// contradictions (names that are not fields, fields with two roles, a split
 /// without a window) with a message saying what to change.
 pub(super) fn roles(spec: &Hdf5Spec) -> Result<(Vec<Role>, Option<Geometry>), SourceError> {
-    let invalid = |message: String| SourceError::Spec { pattern: String::new(), message };
     let s = &spec.sampling;
     let geometry = match spec.window {
         Some(w) => Some(Geometry::new(w, s.min_dt_stride, s.max_dt_stride)?),
         None if (s.min_dt_stride, s.max_dt_stride) != (1, 1) => {
-            return Err(invalid(format!(
+            return Err(spec_error(format!(
                 "min_dt_stride {} / max_dt_stride {} space the steps of a window, but there is no window; add one",
                 s.min_dt_stride, s.max_dt_stride
             )));
         }
         None => None,
     };
+    check_role_lists(spec)?;
+    let (size, n_in) = window_split(spec, geometry)?;
+    let roles = assign_roles(spec, geometry.is_some(), size, n_in);
+    if geometry.is_some() && !roles.iter().any(|r| matches!(r, Role::Steps { .. })) {
+        return Err(spec_error(
+            "a window needs at least one field that is not per_item or constant (the windowed fields)".into(),
+        ));
+    }
+    if !roles.iter().any(|r| r.has_item_axis()) {
+        return Err(spec_error(
+            "every field is constant or time_only; at least one field needs the item axis that samples are              indexed by"
+                .into(),
+        ));
+    }
+    Ok((roles, geometry))
+}
+
+/// A contradiction in the dataset's description (the caller adds the dataset).
+fn spec_error(message: String) -> SourceError {
+    SourceError::Spec { pattern: String::new(), message }
+}
+
+/// Checks the role lists (per_item, constant, input, output, time_only):
+/// each names fields, no field is in two (time_only goes with input or
+/// output only), and without a window only constant may name any.
+fn check_role_lists(spec: &Hdf5Spec) -> Result<(), SourceError> {
+    let s = &spec.sampling;
     let lists: [(&str, &[String]); 4] =
         [("per_item", &spec.per_item), ("constant", &s.constant), ("input", &s.input), ("output", &s.output)];
     for (i, (list, names)) in lists.iter().enumerate() {
         for name in names.iter() {
             if !spec.fields.iter().any(|(n, _)| n == name) {
-                return Err(invalid(format!("{list} names {name:?}, which is not one of the fields")));
+                return Err(spec_error(format!("{list} names {name:?}, which is not one of the fields")));
             }
             if let Some((other, _)) = lists[..i].iter().find(|(_, names)| names.contains(name)) {
-                return Err(invalid(format!("field {name:?} is in both {other} and {list}; a field has one role")));
+                return Err(spec_error(format!("field {name:?} is in both {other} and {list}; a field has one role")));
             }
         }
     }
     for name in &s.time_only {
         if !spec.fields.iter().any(|(n, _)| n == name) {
-            return Err(invalid(format!("time_only names {name:?}, which is not one of the fields")));
+            return Err(spec_error(format!("time_only names {name:?}, which is not one of the fields")));
         }
         if let Some((other, _)) = lists[..2].iter().find(|(_, names)| names.contains(name)) {
-            return Err(invalid(format!(
+            return Err(spec_error(format!(
                 "field {name:?} is in both {other} and time_only; a time_only field takes the window's steps                  (it may also be in input or output)"
             )));
         }
         if spec.window.is_none() {
-            return Err(invalid(format!(
+            return Err(spec_error(format!(
                 "time_only names {name:?} but there is no window; time_only fields take a window's steps"
             )));
         }
@@ -165,22 +191,31 @@ pub(super) fn roles(spec: &Hdf5Spec) -> Result<(Vec<Role>, Option<Geometry>), So
         } else {
             "input and output fields take parts of a window"
         };
-        return Err(invalid(format!("{list} names {name:?} but there is no window; {why}")));
+        return Err(spec_error(format!("{list} names {name:?} but there is no window; {why}")));
     }
+    Ok(())
+}
+
+/// The window's size and its input part (`n_steps_input`, 0 without a
+/// split); refuses a split that does not fit the window, a split without a
+/// window, input or output fields without a split, a split no field takes,
+/// and input or output fields that would get no steps.
+fn window_split(spec: &Hdf5Spec, geometry: Option<Geometry>) -> Result<(u64, u64), SourceError> {
+    let s = &spec.sampling;
     let (size, n_in) = match (geometry, s.n_steps_input) {
         (Some(g), Some(n_in)) if n_in > g.size => {
-            return Err(invalid(format!(
+            return Err(spec_error(format!(
                 "n_steps_input {n_in} is more than the window's {} steps (n_steps_input + n_steps_output)",
                 g.size
             )));
         }
         (Some(g), Some(n_in)) => (g.size, n_in),
         (None, Some(n_in)) => {
-            return Err(invalid(format!("n_steps_input {n_in} splits a window, but there is no window")));
+            return Err(spec_error(format!("n_steps_input {n_in} splits a window, but there is no window")));
         }
         (g, None) => {
             if let Some(name) = s.input.first().or(s.output.first()) {
-                return Err(invalid(format!(
+                return Err(spec_error(format!(
                     "field {name:?} is an input or output field, but the window has no split; give \
                      n_steps_input and n_steps_output instead of size"
                 )));
@@ -189,7 +224,7 @@ pub(super) fn roles(spec: &Hdf5Spec) -> Result<(Vec<Role>, Option<Geometry>), So
         }
     };
     if s.n_steps_input.is_some() && s.input.is_empty() && s.output.is_empty() {
-        return Err(invalid(
+        return Err(spec_error(
             "the window is split (n_steps_input, n_steps_output) but no field is listed in input or output; \
              list the fields that take the first n_steps_input steps in input and those that take the rest in \
              output"
@@ -200,16 +235,24 @@ pub(super) fn roles(spec: &Hdf5Spec) -> Result<(Vec<Role>, Option<Geometry>), So
     for (list, steps, key) in [("input", n_in, "n_steps_input"), ("output", n_out, "n_steps_output")] {
         let names = if list == "input" { &s.input } else { &s.output };
         if let Some(name) = names.first().filter(|_| steps == 0) {
-            return Err(invalid(format!("{list} field {name:?} would get no steps: {key} is 0")));
+            return Err(spec_error(format!("{list} field {name:?} would get no steps: {key} is 0")));
         }
     }
-    let roles: Vec<Role> = spec
-        .fields
+    Ok((size, n_in))
+}
+
+/// Each field's role, from the checked lists and split: constant, per item
+/// (every field without a window), or steps of the window of `size` steps
+/// (the first `n_in` for input fields, the rest for output fields).
+fn assign_roles(spec: &Hdf5Spec, windowed: bool, size: u64, n_in: u64) -> Vec<Role> {
+    let s = &spec.sampling;
+    let n_out = size - n_in;
+    spec.fields
         .iter()
         .map(|(n, _)| {
             if s.constant.contains(n) {
                 Role::Constant
-            } else if geometry.is_none() || spec.per_item.contains(n) {
+            } else if !windowed || spec.per_item.contains(n) {
                 Role::Item
             } else {
                 let item_axis = !s.time_only.contains(n);
@@ -222,19 +265,7 @@ pub(super) fn roles(spec: &Hdf5Spec) -> Result<(Vec<Role>, Option<Geometry>), So
                 }
             }
         })
-        .collect();
-    if geometry.is_some() && !roles.iter().any(|r| matches!(r, Role::Steps { .. })) {
-        return Err(invalid(
-            "a window needs at least one field that is not per_item or constant (the windowed fields)".into(),
-        ));
-    }
-    if !roles.iter().any(|r| r.has_item_axis()) {
-        return Err(invalid(
-            "every field is constant or time_only; at least one field needs the item axis that samples are              indexed by"
-                .into(),
-        ));
-    }
-    Ok((roles, geometry))
+        .collect()
 }
 
 /// Why no window of `g` fits in `time` steps: the window's size (and

@@ -127,14 +127,13 @@ impl Hdf5Source {
         let mut specs: Option<Vec<FieldSpec>> = None;
         let mut files: Vec<Arc<Hdf5File>> = Vec::with_capacity(opened.len());
         let mut starts = vec![0u64];
-        let mut slow: Vec<String> = Vec::new();
-        let mut big_chunks: Vec<(String, usize)> = Vec::new();
+        let mut read_paths = ReadPaths::default();
         for checked in opened {
             // Chunks are keyed by what they are: this file's identity and the field's HDF5 path.
             let cache_ids: Vec<u64> =
                 spec.fields.iter().map(|(_, h5path)| crate::cache::space_id(&checked.id, h5path, &())).collect();
             let raw = fsaccess::reopen_same(&checked.canonical, checked.root.as_deref(), &checked.id)
-                .map_err(|message| SourceError::Changed { path: checked.path.clone(), message })?;
+                .map_err(|problem| SourceError::Changed { path: checked.path.clone(), problem })?;
             // libhdf5 shares one open of a file (by device and inode) among its
             // handles: an older open of this file from before it changed would
             // hand us its stale metadata.
@@ -144,15 +143,7 @@ impl Hdf5Source {
             let windows = geometry.map_or(1, |g| g.windows(steps));
             match &specs {
                 None => {
-                    for (field, reader) in file_specs.iter().zip(&handle.fields) {
-                        match &reader.layout {
-                            field::Layout::Library { reason } => slow.push(format!("{} ({reason})", field.name)),
-                            field::Layout::Chunked(c) if !c.filters.is_empty() => {
-                                big_chunks.push((field.name.clone(), c.chunk_bytes))
-                            }
-                            _ => {}
-                        }
-                    }
+                    read_paths = ReadPaths::of(&file_specs, &handle);
                     specs = Some(file_specs)
                 }
                 Some(first) => check_same_fields(&checked.path, first, &file_specs, &files[0].path)?,
@@ -196,29 +187,14 @@ impl Hdf5Source {
         if *starts.last().expect("starts is never empty") == 0 {
             return Err(SourceError::Empty { pattern: pattern.to_string() });
         }
-        if !slow.is_empty() {
-            tracing::info!(dataset = %pattern, fields = %slow.join(", "), "reading through libhdf5, under its global lock");
-        }
-        let capacity = cache.caches.chunks.capacity() as u64;
-        for (field, chunk_bytes) in big_chunks {
-            if chunk_bytes as u64 > capacity {
-                tracing::warn!(
-                    dataset = %pattern,
-                    field = %field,
-                    chunk_bytes,
-                    cache_bytes = capacity,
-                    "decoded chunks do not fit in the chunk cache: every sample will decompress its whole chunk; \
-                     raise [cache] chunk_bytes or rechunk the file"
-                );
-            }
-        }
+        read_paths.log(pattern, cache.caches.chunks.capacity() as u64);
         Ok(Hdf5Source { spec: spec.clone(), fields, roles, geometry, files, starts, cache, limit })
     }
 
     /// The file's handles, opening it again if it was closed to bound open
     /// files; fails when the file is no longer what the dataset opened.
     fn handle(&self, file: &Arc<Hdf5File>) -> Result<Arc<OpenHdf5>, SourceError> {
-        let changed = |message: String| SourceError::Changed { path: file.path.clone(), message };
+        let changed = |problem| SourceError::Changed { path: file.path.clone(), problem };
         if let Some(handle) = file.handle.read().unwrap_or_else(PoisonError::into_inner).as_ref() {
             file.touch();
             return Ok(handle.clone());
@@ -245,6 +221,52 @@ impl Hdf5Source {
     /// The spec the dataset was opened with.
     pub fn spec(&self) -> &Hdf5Spec {
         &self.spec
+    }
+}
+
+/// How the fields of a dataset's first file are read, for the log: the
+/// fields libhdf5 reads (with the reason), and the decoded chunk size of
+/// each filtered field the fast path decodes.
+#[derive(Debug, Default)]
+struct ReadPaths {
+    slow: Vec<String>,
+    big_chunks: Vec<(String, usize)>,
+}
+
+impl ReadPaths {
+    /// The read paths of `handle`'s fields (`specs`).
+    fn of(specs: &[FieldSpec], handle: &OpenHdf5) -> ReadPaths {
+        let mut paths = ReadPaths::default();
+        for (field, reader) in specs.iter().zip(&handle.fields) {
+            match &reader.layout {
+                field::Layout::Library { reason } => paths.slow.push(format!("{} ({reason})", field.name)),
+                field::Layout::Chunked(c) if !c.filters.is_empty() => {
+                    paths.big_chunks.push((field.name.clone(), c.chunk_bytes))
+                }
+                _ => {}
+            }
+        }
+        paths
+    }
+
+    /// Logs the fields read through libhdf5, and warns of filtered fields
+    /// whose decoded chunks do not fit in the chunk cache (`capacity` bytes).
+    fn log(&self, pattern: &str, capacity: u64) {
+        if !self.slow.is_empty() {
+            tracing::info!(dataset = %pattern, fields = %self.slow.join(", "), "reading through libhdf5, under its global lock");
+        }
+        for (field, chunk_bytes) in &self.big_chunks {
+            if *chunk_bytes as u64 > capacity {
+                tracing::warn!(
+                    dataset = %pattern,
+                    field = %field,
+                    chunk_bytes,
+                    cache_bytes = capacity,
+                    "decoded chunks do not fit in the chunk cache: every sample will decompress its whole chunk; \
+                     raise [cache] chunk_bytes or rechunk the file"
+                );
+            }
+        }
     }
 }
 
@@ -286,13 +308,13 @@ impl Source for Hdf5Source {
         for (f, dst) in out.iter_mut().enumerate() {
             let reader = &handle.fields[f];
             let spec = &self.fields[f];
-            let read_err = |message: String| SourceError::Read {
+            let read_err = |e: field::FieldError| SourceError::Read {
                 path: file.path.clone(),
                 field: spec.name.clone(),
                 h5path: spec.origin.clone(),
                 index,
                 row: item,
-                message,
+                message: e.to_string(),
             };
             let mut start = vec![0u64; reader.dims.len()];
             let mut count = reader.dims.clone();

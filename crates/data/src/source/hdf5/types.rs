@@ -83,16 +83,30 @@ pub(super) fn check_same_fields(
     Ok(())
 }
 
-/// Maps an HDF5 file type to the dtype served, or describes what it is.
+/// An HDF5 type stoker does not serve, as messages describe it (after "has dtype").
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum Unservable {
+    /// A bitfield of a size (in bytes) no integer type has.
+    #[error("{0}-byte bitfield")]
+    Bitfield(usize),
+    /// A type the `hdf5` crate cannot describe.
+    #[error("unsupported ({0})")]
+    Unsupported(hdf5::Error),
+    /// A type that is not numeric: strings, compounds, arrays, ...
+    #[error("{}", describe(.0))]
+    NotNumeric(TypeDescriptor),
+}
+
+/// Maps an HDF5 file type to the dtype served, or says what it is.
 ///
 /// Enums are served as their base integer type and bitfields (PyTables'
 /// bool arrays) as unsigned integers of their size, as h5py reads both.
-pub(crate) fn classify(file_type: &hdf5::Datatype) -> Result<(DType, TypeDescriptor), String> {
+pub(crate) fn classify(file_type: &hdf5::Datatype) -> Result<(DType, TypeDescriptor), Unservable> {
     if let Some(size) = field::bitfield_size(file_type) {
-        let size = IntSize::from_int(size).ok_or_else(|| format!("{}-byte bitfield", size))?;
+        let size = IntSize::from_int(size).ok_or(Unservable::Bitfield(size))?;
         return Ok((unsigned(size), TypeDescriptor::Unsigned(size)));
     }
-    let descriptor = file_type.to_descriptor().map_err(|e| format!("unsupported ({e})"))?;
+    let descriptor = file_type.to_descriptor().map_err(Unservable::Unsupported)?;
     let dtype = match &descriptor {
         TypeDescriptor::Boolean => DType::Bool,
         TypeDescriptor::Enum(e) if e.signed => signed(e.size),
@@ -104,7 +118,7 @@ pub(crate) fn classify(file_type: &hdf5::Datatype) -> Result<(DType, TypeDescrip
             FloatSize::U4 => DType::F32,
             FloatSize::U8 => DType::F64,
         },
-        other => return Err(describe(other)),
+        other => return Err(Unservable::NotNumeric(other.clone())),
     };
     Ok((dtype, descriptor))
 }

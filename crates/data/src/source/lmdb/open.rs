@@ -25,94 +25,10 @@ impl LmdbSource {
     /// environment must still be the file `checked` identified, and the key
     /// file is read from its handle.
     pub fn open_checked(spec: &LmdbSpec, checked: &CheckedLmdb) -> Result<LmdbSource, SourceError> {
-        let first = spec.fields.first().ok_or_else(|| SourceError::LmdbField {
-            env: PathBuf::new(),
-            field: String::new(),
-            codec: String::new(),
-            message: "an LMDB dataset needs at least one field".into(),
-        })?;
-        let field_err = |field: &LmdbField, message: String| SourceError::LmdbField {
-            env: field.env.clone(),
-            field: field.name.clone(),
-            codec: field.codec.to_string(),
-            message,
-        };
-        let mut seen = HashSet::new();
-        for field in &spec.fields {
-            if !seen.insert(field.name.as_str()) {
-                return Err(field_err(field, "the field name appears twice".into()));
-            }
-        }
-        if let Some(roots) = &spec.allowed_roots {
-            let paths = spec.fields.iter().map(|f| &f.env).chain(spec.key_file.as_ref());
-            for path in paths {
-                let real = path.canonicalize().unwrap_or_else(|_| path.clone());
-                if !roots.iter().any(|root| real.starts_with(root)) {
-                    let refused = crate::fsaccess::AccessError::NotAllowed { path: path.clone(), roots: roots.clone() };
-                    return Err(SourceError::Access(refused));
-                }
-            }
-        }
-
-        // Environments, each opened once even when several fields read it.
-        let mut envs: Vec<Arc<SharedEnv>> = Vec::new();
-        let mut env_of = Vec::with_capacity(spec.fields.len());
-        for field in &spec.fields {
-            let env = SharedEnv::open(&field.env)?;
-            let (dev, ino, _) = env.env.file_id().map_err(|e| SourceError::LmdbOpen {
-                env: field.env.clone(),
-                message: format!("cannot check its data file: {e}"),
-            })?;
-            checked.check_env(&field.env, dev, ino)?;
-            let at = envs.iter().position(|e| Arc::ptr_eq(e, &env)).unwrap_or_else(|| {
-                envs.push(env);
-                envs.len() - 1
-            });
-            env_of.push(at);
-        }
-
-        // Sample keys.
-        let primary = &envs[env_of[0]];
-        let keys = match &spec.key_file {
-            Some(path) => read_key_file(path, checked.key_file.as_ref())?,
-            None => primary.keys(&spec.filter)?,
-        };
-        if keys.is_empty() {
-            let detail = match (&spec.key_file, &spec.filter) {
-                (Some(path), _) => format!("(key file {} lists none)", path.display()),
-                (None, filter) => format!("after filter {filter:?}"),
-            };
-            return Err(SourceError::LmdbEmpty { env: first.env.clone(), detail });
-        }
-        for (field, &env) in spec.fields.iter().zip(&env_of) {
-            let listed_here = env == env_of[0] && spec.key_file.is_none();
-            if !listed_here {
-                envs[env].check_has(&keys, &field.name)?;
-            }
-        }
-
-        // Transform chains and pairing.
-        let mut chains = Vec::with_capacity(spec.fields.len());
-        for field in &spec.fields {
-            let chain = Chain::new(&field.name, field.transforms.clone(), field.pair.clone())
-                .map_err(|e| field_err(field, e.to_string()))?
-                .with_limit(spec.max_value_bytes);
-            chains.push(chain);
-        }
-        let mut leaders = Vec::with_capacity(spec.fields.len());
-        for (field, chain) in spec.fields.iter().zip(&chains) {
-            let leader = match chain.pair() {
-                None => None,
-                Some(pair) => {
-                    let Some(at) = spec.fields.iter().position(|f| f.name == pair.with) else {
-                        return Err(field_err(field, format!("pairs with {:?}, which is not a field", pair.with)));
-                    };
-                    chain.check_pair(&chains[at]).map_err(|e| field_err(field, e.to_string()))?;
-                    Some(at)
-                }
-            };
-            leaders.push(leader);
-        }
+        let first = check_fields(spec)?;
+        let (envs, env_of) = open_envs(spec, checked)?;
+        let keys = sample_keys(spec, checked, &envs, &env_of, first)?;
+        let (chains, leaders) = chains(spec)?;
 
         // Layouts from the first keys.
         let probe = spec.probe.max(1).min(keys.len());
@@ -127,15 +43,7 @@ impl LmdbSource {
             let (dtype, shape) = if chain.is_empty() {
                 (dtype, decoded_shape)
             } else {
-                chain.output(dtype, &decoded_shape).map_err(|e| match e {
-                    // A transform that makes values too large is a limit, not a malformed field.
-                    TransformError::TooLarge { .. } => SourceError::Limit(format!(
-                        "LMDB environment {} (codec {}): {e}",
-                        field.env.display(),
-                        field.codec
-                    )),
-                    e => field_err(field, e.to_string()),
-                })?
+                delivered(field, &chain, dtype, &decoded_shape)?
             };
             plans.push(FieldPlan {
                 name: field.name.clone(),
@@ -145,27 +53,14 @@ impl LmdbSource {
                 leader: leaders[i],
                 has_followers: leaders.contains(&Some(i)),
                 decoded,
-                max_sample_bytes: field.max_sample_bytes.unwrap_or_else(|| {
-                    // Casting to a wider type (to f32, say) widens every value.
-                    // Never more than a value may take at all.
-                    let widen = (dtype.size() as u64).div_ceil(decoded_dtype.size() as u64).max(1);
-                    largest.saturating_mul(2).saturating_mul(widen).max(1 << 20).min(spec.max_value_bytes)
-                }),
+                max_sample_bytes: field
+                    .max_sample_bytes
+                    .unwrap_or_else(|| ragged_room(decoded_dtype, dtype, largest, spec.max_value_bytes)),
                 dtype,
                 shape,
             });
         }
-        let fields = plans
-            .iter()
-            .zip(&spec.fields)
-            .map(|(plan, field)| FieldSpec {
-                name: plan.name.clone(),
-                origin: format!("{} ({})", field.env.display(), field.codec),
-                dtype: plan.dtype,
-                shape: plan.shape.iter().map(|d| d.unwrap_or(0)).collect(),
-                max_sample_bytes: plan.fixed_shape().is_none().then_some(plan.max_sample_bytes),
-            })
-            .collect();
+        let fields = field_specs(spec, &plans);
         for plan in plans.iter().filter(|p| p.fixed_shape().is_none()) {
             tracing::info!(field = %plan.name, shape = ?plan.shape, "LMDB field has a variable shape");
         }
@@ -183,6 +78,165 @@ impl LmdbSource {
             cache: None,
         })
     }
+}
+
+/// An error about how `field` is declared.
+fn field_error(field: &LmdbField, message: String) -> SourceError {
+    SourceError::LmdbField {
+        env: field.env.clone(),
+        field: field.name.clone(),
+        codec: field.codec.to_string(),
+        message,
+    }
+}
+
+/// Checks the fields' declarations before anything is opened: at least
+/// one, no name twice, every path beneath the allowed roots. The first field.
+fn check_fields(spec: &LmdbSpec) -> Result<&LmdbField, SourceError> {
+    let first = spec.fields.first().ok_or_else(|| SourceError::LmdbField {
+        env: PathBuf::new(),
+        field: String::new(),
+        codec: String::new(),
+        message: "an LMDB dataset needs at least one field".into(),
+    })?;
+    let mut seen = HashSet::new();
+    for field in &spec.fields {
+        if !seen.insert(field.name.as_str()) {
+            return Err(field_error(field, "the field name appears twice".into()));
+        }
+    }
+    if let Some(roots) = &spec.allowed_roots {
+        let paths = spec.fields.iter().map(|f| &f.env).chain(spec.key_file.as_ref());
+        for path in paths {
+            let real = path.canonicalize().unwrap_or_else(|_| path.clone());
+            if !roots.iter().any(|root| real.starts_with(root)) {
+                let refused = crate::fsaccess::AccessError::NotAllowed { path: path.clone(), roots: roots.clone() };
+                return Err(SourceError::Access(refused));
+            }
+        }
+    }
+    Ok(first)
+}
+
+/// The fields' environments, each opened once even when several fields read
+/// it (and checked to be the data file `checked` identified), and per field
+/// the index of its environment.
+fn open_envs(spec: &LmdbSpec, checked: &CheckedLmdb) -> Result<(Vec<Arc<SharedEnv>>, Vec<usize>), SourceError> {
+    let mut envs: Vec<Arc<SharedEnv>> = Vec::new();
+    let mut env_of = Vec::with_capacity(spec.fields.len());
+    for field in &spec.fields {
+        let env = SharedEnv::open(&field.env)?;
+        let (dev, ino, _) = env.env.file_id().map_err(|e| SourceError::LmdbOpen {
+            env: field.env.clone(),
+            message: format!("cannot check its data file: {e}"),
+        })?;
+        checked.check_env(&field.env, dev, ino)?;
+        let at = envs.iter().position(|e| Arc::ptr_eq(e, &env)).unwrap_or_else(|| {
+            envs.push(env);
+            envs.len() - 1
+        });
+        env_of.push(at);
+    }
+    Ok((envs, env_of))
+}
+
+/// The sample keys: the key file's, or the first field's environment's
+/// after the filter; refuses none, and keys missing from any other
+/// environment a field reads.
+fn sample_keys(
+    spec: &LmdbSpec,
+    checked: &CheckedLmdb,
+    envs: &[Arc<SharedEnv>],
+    env_of: &[usize],
+    first: &LmdbField,
+) -> Result<Keys, SourceError> {
+    let primary = &envs[env_of[0]];
+    let keys = match &spec.key_file {
+        Some(path) => read_key_file(path, checked.key_file.as_ref())?,
+        None => primary.keys(&spec.filter)?,
+    };
+    if keys.is_empty() {
+        let detail = match (&spec.key_file, &spec.filter) {
+            (Some(path), _) => format!("(key file {} lists none)", path.display()),
+            (None, filter) => format!("after filter {filter:?}"),
+        };
+        return Err(SourceError::LmdbEmpty { env: first.env.clone(), detail });
+    }
+    for (field, &env) in spec.fields.iter().zip(env_of) {
+        let listed_here = env == env_of[0] && spec.key_file.is_none();
+        if !listed_here {
+            envs[env].check_has(&keys, &field.name)?;
+        }
+    }
+    Ok(keys)
+}
+
+/// Each field's transform chain (limited to the largest value allowed),
+/// and the index of the field it pairs with, checked against that field's chain.
+fn chains(spec: &LmdbSpec) -> Result<(Vec<Chain>, Vec<Option<usize>>), SourceError> {
+    let mut chains = Vec::with_capacity(spec.fields.len());
+    for field in &spec.fields {
+        let chain = Chain::new(&field.name, field.transforms.clone(), field.pair.clone())
+            .map_err(|e| field_error(field, e.to_string()))?
+            .with_limit(spec.max_value_bytes);
+        chains.push(chain);
+    }
+    let mut leaders = Vec::with_capacity(spec.fields.len());
+    for (field, chain) in spec.fields.iter().zip(&chains) {
+        let leader = match chain.pair() {
+            None => None,
+            Some(pair) => {
+                let Some(at) = spec.fields.iter().position(|f| f.name == pair.with) else {
+                    return Err(field_error(field, format!("pairs with {:?}, which is not a field", pair.with)));
+                };
+                chain.check_pair(&chains[at]).map_err(|e| field_error(field, e.to_string()))?;
+                Some(at)
+            }
+        };
+        leaders.push(leader);
+    }
+    Ok((chains, leaders))
+}
+
+/// The dtype and shape `chain` delivers for `field`'s values of `dtype` and
+/// `shape`; a chain that makes them larger than the limit is a limit error.
+fn delivered(
+    field: &LmdbField,
+    chain: &Chain,
+    dtype: DType,
+    shape: &[Option<u64>],
+) -> Result<(DType, Vec<Option<u64>>), SourceError> {
+    chain.output(dtype, shape).map_err(|e| match e {
+        // A transform that makes values too large is a limit, not a malformed field.
+        TransformError::TooLarge { .. } => {
+            SourceError::Limit(format!("LMDB environment {} (codec {}): {e}", field.env.display(), field.codec))
+        }
+        e => field_error(field, e.to_string()),
+    })
+}
+
+/// Room per row of a ragged field whose declaration gives none: twice the
+/// largest probed value (`largest` bytes, decoded as `decoded`), widened as
+/// a cast to `delivered` widens every value; at least 1 MiB, never more
+/// than a value may take at all (`max_value_bytes`).
+fn ragged_room(decoded: DType, delivered: DType, largest: u64, max_value_bytes: u64) -> u64 {
+    let widen = (delivered.size() as u64).div_ceil(decoded.size() as u64).max(1);
+    largest.saturating_mul(2).saturating_mul(widen).max(1 << 20).min(max_value_bytes)
+}
+
+/// The fields as the client receives them, from their plans.
+fn field_specs(spec: &LmdbSpec, plans: &[FieldPlan]) -> Vec<FieldSpec> {
+    plans
+        .iter()
+        .zip(&spec.fields)
+        .map(|(plan, field)| FieldSpec {
+            name: plan.name.clone(),
+            origin: format!("{} ({})", field.env.display(), field.codec),
+            dtype: plan.dtype,
+            shape: plan.shape.iter().map(|d| d.unwrap_or(0)).collect(),
+            max_sample_bytes: plan.fixed_shape().is_none().then_some(plan.max_sample_bytes),
+        })
+        .collect()
 }
 
 /// Dtype and per-dimension shape (`None` where values differ) of a field, from its first `probe` keys.

@@ -189,92 +189,123 @@ impl LmdbSource {
         value.resize(found.len(), 0);
         txn.copy(found, value).map_err(|e| err(e.to_string()))?;
         let value: &[u8] = value;
-        let codec_err = |e: CodecError| match (&e, &plan.decoded) {
-            (CodecError::Mismatch { .. }, Some(layout)) if plan.chain.is_none() => err(format!(
-                "{e}; the field was laid out as {layout} from the first {} keys — declare a crop or resize \
-                 transform, or deliver the field ragged",
-                self.probe
-            )),
-            _ => err(e.to_string()),
-        };
-
-        let offer = |info: &ArrayInfo, bytes: &[u8]| {
-            if let Some((cache, key)) = cached {
-                let uses = Uses::one(cache.dataset, sample.index);
-                if cache.caches.samples.wants(bytes.len(), &uses) {
-                    let entry = Arc::new(Decoded::copy_of(info, bytes));
-                    cache.caches.samples.insert(key, entry, bytes.len(), uses);
-                }
-            }
-        };
         let Some(chain) = &plan.chain else {
-            let info = match out {
-                LmdbOut::Fixed(dst) => {
-                    let layout =
-                        plan.decoded.as_ref().expect("a fixed field without transforms has a fixed decoded layout");
-                    plan.codec.decode_into(value, layout, dst, scratch).map_err(codec_err)?;
-                    offer(layout, dst);
-                    layout.clone()
-                }
-                LmdbOut::Variable { bytes, shape } => {
-                    let info = plan.codec.decode(value, *bytes, scratch, self.max_value_bytes).map_err(codec_err)?;
-                    offer(&info, bytes);
-                    shape.clone_from(&info.shape);
-                    info
-                }
-                LmdbOut::Ragged { data, shape } => {
-                    let info = plan.codec.probe(value).map_err(codec_err)?;
-                    let n = fits(plan, &info.shape, info.dtype, data.len(), self.max_value_bytes)
-                        .map_err(|f| f.into_error(i, &err))?;
-                    plan.codec.decode_into(value, &info, &mut data[..n], scratch).map_err(codec_err)?;
-                    offer(&info, &data[..n]);
-                    shape.copy_from_slice(&info.shape);
-                    info
-                }
-                LmdbOut::Skip if plan.has_followers => plan.codec.probe(value).map_err(codec_err)?,
-                LmdbOut::Skip => return Ok(()),
-            };
-            shapes[i] = Some(info.shape);
+            if let Some(info) = self.decode_plain(i, value, cached, sample.index, scratch, out, &err)? {
+                shapes[i] = Some(info.shape);
+            }
             return Ok(());
         };
 
         if let LmdbOut::Skip = out {
             // Left out; a follower may still need the decoded shape.
             if plan.has_followers {
-                shapes[i] = Some(plan.codec.probe(value).map_err(codec_err)?.shape);
+                shapes[i] = Some(plan.codec.probe(value).map_err(|e| self.codec_error(plan, e, &err))?.shape);
             }
             return Ok(());
         }
-        let key = SampleKey { seed: sample.seed, epoch: sample.epoch, index: sample.index };
-        // A JPEG whose chain starts by shrinking it decodes DCT-scaled; one
-        // whose chain starts with a crop decodes only the crop's window, drawn
-        // as the chain draws it (not for paired fields: their geometry is
-        // checked against the full size).
-        let solo = plan.leader.is_none() && !plan.has_followers;
-        // A value the sample cache would keep is decoded whole (later epochs
-        // crop it afresh); a cropped decode serves one epoch only.
-        let keep = cached.is_some_and(|(cache, _)| {
-            let bytes = plan.decoded.as_ref().map_or(0, |d| d.bytes());
-            cache.caches.samples.wants(bytes, &Uses::one(cache.dataset, sample.index))
-        });
-        let mut window = None; // the decoded window's shape, where only that was decoded
-        let info = match (leading_shrink(chain), chain.after_leading_crop()) {
-            (Some(size), _) if solo => plan.codec.decode_at_least(value, decoded, scratch, self.max_value_bytes, size),
-            (None, Some(_)) if solo && !keep => {
-                let crop = |h, w| chain.leading_crop(h, w, key).map(|c| (c.top, c.left, c.height, c.width));
-                plan.codec.decode_cropped(value, decoded, scratch, self.max_value_bytes, crop).map(|(info, shape)| {
-                    window = shape;
-                    info
-                })
-            }
-            _ => plan.codec.decode(value, decoded, scratch, self.max_value_bytes),
-        }
-        .map_err(codec_err)?;
+        let key = key_of(sample);
+        let (info, window) = self
+            .decode_for_chain(plan, chain, value, decoded, scratch, key, cached)
+            .map_err(|e| self.codec_error(plan, e, &err))?;
         if window.is_none() {
-            offer(&info, decoded.as_slice());
+            offer(cached, sample.index, &info, decoded.as_slice());
         }
         let window = window.as_deref();
         self.transform_into(plan, i, &info, decoded.as_slice(), window, key, shapes, transform, out, &err)
+    }
+
+    /// Decodes the value of field `i`, which has no transforms, into `out`
+    /// as its kind of output takes it, and offers it to the sample cache
+    /// (`cached`, for sample `index`). The value's dtype and shape; `None`
+    /// for a left-out field no other field follows.
+    #[allow(clippy::too_many_arguments)]
+    fn decode_plain(
+        &self,
+        i: usize,
+        value: &[u8],
+        cached: Option<(&CacheCtx, Key)>,
+        index: u64,
+        scratch: &mut Vec<u8>,
+        out: &mut LmdbOut<'_>,
+        err: &dyn Fn(String) -> SourceError,
+    ) -> Result<Option<ArrayInfo>, SourceError> {
+        let plan = &self.plans[i];
+        let codec_err = |e| self.codec_error(plan, e, err);
+        let info = match out {
+            LmdbOut::Fixed(dst) => {
+                let layout =
+                    plan.decoded.as_ref().expect("a fixed field without transforms has a fixed decoded layout");
+                plan.codec.decode_into(value, layout, dst, scratch).map_err(codec_err)?;
+                offer(cached, index, layout, dst);
+                layout.clone()
+            }
+            LmdbOut::Variable { bytes, shape } => {
+                let info = plan.codec.decode(value, *bytes, scratch, self.max_value_bytes).map_err(codec_err)?;
+                offer(cached, index, &info, bytes);
+                shape.clone_from(&info.shape);
+                info
+            }
+            LmdbOut::Ragged { data, shape } => {
+                let info = plan.codec.probe(value).map_err(codec_err)?;
+                let n = fits(plan, &info.shape, info.dtype, data.len(), self.max_value_bytes)
+                    .map_err(|f| f.into_error(i, err))?;
+                plan.codec.decode_into(value, &info, &mut data[..n], scratch).map_err(codec_err)?;
+                offer(cached, index, &info, &data[..n]);
+                shape.copy_from_slice(&info.shape);
+                info
+            }
+            LmdbOut::Skip if plan.has_followers => plan.codec.probe(value).map_err(codec_err)?,
+            LmdbOut::Skip => return Ok(None),
+        };
+        Ok(Some(info))
+    }
+
+    /// Decodes the value of `plan`'s field for its `chain` into `decoded`:
+    /// a JPEG whose chain starts by shrinking it DCT-scaled; one whose chain
+    /// starts with a crop only the crop's window, drawn as the chain draws it
+    /// for sample `key` (its shape is returned too); anything else whole.
+    /// Paired fields decode whole (their geometry is checked against the full
+    /// size), and so do values the sample cache (`cached`) would keep (later
+    /// epochs crop them afresh; a cropped decode serves one epoch only).
+    #[allow(clippy::too_many_arguments)]
+    fn decode_for_chain(
+        &self,
+        plan: &FieldPlan,
+        chain: &Chain,
+        value: &[u8],
+        decoded: &mut AlignedBuf,
+        scratch: &mut Vec<u8>,
+        key: SampleKey,
+        cached: Option<(&CacheCtx, Key)>,
+    ) -> Result<(ArrayInfo, Option<Vec<u64>>), CodecError> {
+        let solo = plan.leader.is_none() && !plan.has_followers;
+        let keep = cached.is_some_and(|(cache, _)| {
+            let bytes = plan.decoded.as_ref().map_or(0, |d| d.bytes());
+            cache.caches.samples.wants(bytes, &Uses::one(cache.dataset, key.index))
+        });
+        match (leading_shrink(chain), chain.after_leading_crop()) {
+            (Some(size), _) if solo => {
+                Ok((plan.codec.decode_at_least(value, decoded, scratch, self.max_value_bytes, size)?, None))
+            }
+            (None, Some(_)) if solo && !keep => {
+                let crop = |h, w| chain.leading_crop(h, w, key).map(|c| (c.top, c.left, c.height, c.width));
+                plan.codec.decode_cropped(value, decoded, scratch, self.max_value_bytes, crop)
+            }
+            _ => Ok((plan.codec.decode(value, decoded, scratch, self.max_value_bytes)?, None)),
+        }
+    }
+
+    /// A codec error of `plan`'s value as a read error (`err`); a value that
+    /// does not match the layout the first keys gave says what to declare.
+    fn codec_error(&self, plan: &FieldPlan, e: CodecError, err: &dyn Fn(String) -> SourceError) -> SourceError {
+        match (&e, &plan.decoded) {
+            (CodecError::Mismatch { .. }, Some(layout)) if plan.chain.is_none() => err(format!(
+                "{e}; the field was laid out as {layout} from the first {} keys — declare a crop or resize \
+                 transform, or deliver the field ragged",
+                self.probe
+            )),
+            _ => err(e.to_string()),
+        }
     }
 
     /// Serves field `i` from a cached decoded value: copied as is, or through the field's chain.
@@ -388,5 +419,18 @@ impl LmdbSource {
         }
         shapes[i] = Some(info.shape.clone());
         Ok(())
+    }
+}
+
+/// Offers the decoded value `bytes` (`info`) of sample `index` to the sample
+/// cache, which keeps it if it wants it; `cached`: the field's cache and key,
+/// when the field is worth caching.
+fn offer(cached: Option<(&CacheCtx, Key)>, index: u64, info: &ArrayInfo, bytes: &[u8]) {
+    if let Some((cache, key)) = cached {
+        let uses = Uses::one(cache.dataset, index);
+        if cache.caches.samples.wants(bytes.len(), &uses) {
+            let entry = Arc::new(Decoded::copy_of(info, bytes));
+            cache.caches.samples.insert(key, entry, bytes.len(), uses);
+        }
     }
 }
