@@ -13,6 +13,8 @@
 //! samples are permuted within windows of consecutive (permuted) blocks, so a
 //! run of positions touches few regions of the files. Also O(1) each way.
 
+use stoker_proto::hash::mix64;
+
 /// A keyed pseudo-random permutation of `0..n`.
 #[derive(Debug, Clone)]
 pub struct Permutation {
@@ -80,15 +82,11 @@ impl Permutation {
     }
 }
 
+/// The next word of splitmix64 at `state`, advancing it.
 fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    mix64(*state)
-}
-
-fn mix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+    let word = stoker_proto::hash::splitmix64(*state);
+    *state = state.wrapping_add(stoker_proto::hash::GOLDEN);
+    word
 }
 
 /// How an epoch's positions map to dataset indices before the rank split.

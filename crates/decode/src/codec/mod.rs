@@ -670,46 +670,16 @@ fn swap_if_needed(bytes: &mut [u8], dtype: DType, order: ByteOrder) {
 /// Parses a numpy dtype string: a name (`"float32"`) or a type string
 /// (`"<f4"`, `">i2"`, `"|u1"`, `"=f8"`, `"f4"`).
 pub fn parse_dtype(s: &str) -> Result<(DType, ByteOrder), CodecError> {
-    let bad = || CodecError::Dtype(s.to_string());
-    let named = match s {
-        "bool" => Some(DType::Bool),
-        "uint8" => Some(DType::U8),
-        "uint16" => Some(DType::U16),
-        "uint32" => Some(DType::U32),
-        "uint64" => Some(DType::U64),
-        "int8" => Some(DType::I8),
-        "int16" => Some(DType::I16),
-        "int32" => Some(DType::I32),
-        "int64" => Some(DType::I64),
-        "float16" => Some(DType::F16),
-        "float32" => Some(DType::F32),
-        "float64" => Some(DType::F64),
-        _ => None,
-    };
-    if let Some(dtype) = named {
+    if let Some(dtype) = DType::from_numpy_name(s) {
         return Ok((dtype, ByteOrder::NATIVE));
     }
-    let (order, rest) = match s.as_bytes().first() {
+    let (order, code) = match s.as_bytes().first() {
         Some(b'<') => (ByteOrder::Little, &s[1..]),
         Some(b'>') => (ByteOrder::Big, &s[1..]),
         Some(b'|' | b'=') => (ByteOrder::NATIVE, &s[1..]),
         _ => (ByteOrder::NATIVE, s),
     };
-    let dtype = match rest {
-        "b1" | "?" => DType::Bool,
-        "u1" => DType::U8,
-        "u2" => DType::U16,
-        "u4" => DType::U32,
-        "u8" => DType::U64,
-        "i1" => DType::I8,
-        "i2" => DType::I16,
-        "i4" => DType::I32,
-        "i8" => DType::I64,
-        "f2" => DType::F16,
-        "f4" => DType::F32,
-        "f8" => DType::F64,
-        _ => return Err(bad()),
-    };
+    let dtype = DType::from_type_code(code).ok_or_else(|| CodecError::Dtype(s.to_string()))?;
     Ok((dtype, order))
 }
 

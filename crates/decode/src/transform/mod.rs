@@ -22,6 +22,7 @@ mod resize;
 pub mod stats;
 
 use stoker_proto::DType;
+use stoker_proto::hash::{fnv1a, splitmix64};
 
 use crate::codec::AlignedBuf;
 pub use resize::ResizeError;
@@ -1116,14 +1117,6 @@ fn f16_to_f32(h: u16) -> f32 {
     f32::from_bits(bits)
 }
 
-/// splitmix64's output function: a bijective 64-bit mix.
-fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 /// The random word for the `step`-th random step of `group` in sample `key`.
 fn draw(key: SampleKey, group: u64, step: u64) -> u64 {
     [key.epoch, key.index, group, step].into_iter().fold(splitmix64(key.seed), |h, v| splitmix64(h ^ v))
@@ -1132,11 +1125,6 @@ fn draw(key: SampleKey, group: u64, step: u64) -> u64 {
 /// Maps a random word to `0..n` (multiply-high; bias below 2^-32 for any realistic `n`).
 fn uniform(r: u64, n: u64) -> u64 {
     ((u128::from(r) * u128::from(n)) >> 64) as u64
-}
-
-/// FNV-1a: a stable hash of a field name (std's hasher is seeded per process).
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xCBF2_9CE4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01B3))
 }
 
 #[cfg(test)]

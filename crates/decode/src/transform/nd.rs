@@ -12,9 +12,10 @@
 
 use stoker_proto::DType;
 
+use stoker_proto::hash::splitmix64;
+
 use super::{
-    ArrayRef, Backing, Chain, GeometryError, SampleKey, Scratch, Step, TransformError, draw, f16_to_f32, splitmix64,
-    uniform,
+    ArrayRef, Backing, Chain, GeometryError, SampleKey, Scratch, Step, TransformError, draw, f16_to_f32, uniform,
 };
 
 /// The roles of axes: the spatial pair and the channel axis, by position.
