@@ -453,6 +453,25 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_peers_groups_come_from_its_process_only_while_it_is_the_peers() {
+        let me = Peer::daemon();
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let listed: Vec<u32> = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Groups:"))
+            .map(|g| g.split_whitespace().filter_map(|n| n.parse().ok()).collect())
+            .unwrap_or_default();
+        let mine = me.groups();
+        assert_eq!(mine[0], me.gid, "the primary group first");
+        assert!(listed.iter().all(|g| mine.contains(g)), "{mine:?} lacks some of {listed:?}");
+        // The same pid claimed by another uid (a pid reused since it
+        // connected): only the primary group it connected with counts.
+        let stranger = Peer { uid: me.uid.wrapping_add(12345), gid: 77, pid: me.pid };
+        assert_eq!(stranger.groups(), [77]);
+        assert_eq!(Peer { pid: 0, ..stranger }.groups(), [77], "no pid: the primary group");
+    }
+
+    #[test]
     fn symlink_out_of_root_is_refused_and_fifo_is_not_regular() {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().join("root");

@@ -4,7 +4,7 @@
 //! zune-png. Reads every `*.jpg` / `*.png` in the directory given (written
 //! by `benches/decoders.py`, which runs this and reports the table).
 //!
-//!     cargo run --release -p stoker-daemon --example decode_bench -- DIR [ROUNDS]
+//!     cargo run --release -p stoker-decode --example decode_bench -- DIR [ROUNDS]
 //!
 //! Prints one line per (decoder, file group): median and mean µs per image
 //! over ROUNDS (default 20) passes over the group's files.

@@ -297,3 +297,6 @@ async fn refuse(mut sock: UnixStream, error: WireError, wait: Duration) {
     }
     let _ = sock.shutdown().await;
 }
+
+#[cfg(test)]
+mod tests;
