@@ -3,7 +3,8 @@
 //! restarts and versions; the group a field's random draws are keyed by) and
 //! splitmix64 (the `(seed, epoch, index)` randomness of transforms and of the
 //! sampler's keys). std's hasher is seeded per process; these are fixed, and
-//! their golden values are pinned by the tests below.
+//! their golden values are pinned by the tests below. The sampler calls
+//! [`mix64`] several times per sample from another crate, hence `#[inline]`.
 
 /// FNV-1a's offset basis.
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
@@ -24,6 +25,7 @@ impl Default for Fnv1a {
 
 impl Fnv1a {
     /// Adds `bytes`.
+    #[inline]
     pub fn write(&mut self, bytes: &[u8]) {
         for &b in bytes {
             self.0 = (self.0 ^ u64::from(b)).wrapping_mul(FNV_PRIME);
@@ -37,6 +39,7 @@ impl Fnv1a {
 }
 
 /// 64-bit FNV-1a of `bytes`.
+#[inline]
 pub fn fnv1a(bytes: &[u8]) -> u64 {
     let mut h = Fnv1a::default();
     h.write(bytes);
@@ -44,6 +47,7 @@ pub fn fnv1a(bytes: &[u8]) -> u64 {
 }
 
 /// splitmix64's output function: a bijective 64-bit mix.
+#[inline]
 pub fn mix64(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -51,6 +55,7 @@ pub fn mix64(mut z: u64) -> u64 {
 }
 
 /// The word splitmix64 yields from state `x` (the state advanced by [`GOLDEN`], mixed).
+#[inline]
 pub fn splitmix64(x: u64) -> u64 {
     mix64(x.wrapping_add(GOLDEN))
 }

@@ -37,9 +37,34 @@ pub struct DatasetReport {
     pub read_path: String,
 }
 
+/// Why a file or environment could not be inspected.
+#[derive(Debug, thiserror::Error)]
+pub enum InspectError {
+    /// The file does not open as HDF5.
+    #[error("cannot open {} as HDF5: {error}", path.display())]
+    Open {
+        /// The file.
+        path: PathBuf,
+        /// libhdf5's error.
+        error: hdf5::Error,
+    },
+    /// libhdf5 failed while walking the file.
+    #[error(transparent)]
+    Hdf5(#[from] hdf5::Error),
+    /// Groups nested deeper than any real layout (a crafted file).
+    #[error("group {prefix:?} is nested more than {MAX_GROUP_DEPTH} deep")]
+    TooDeep {
+        /// The group's path.
+        prefix: String,
+    },
+    /// An LMDB environment that does not scan.
+    #[error(transparent)]
+    Lmdb(#[from] crate::source::SourceError),
+}
+
 /// Inspects every dataset of the file at `path`.
-pub fn inspect(path: &Path) -> anyhow::Result<Vec<DatasetReport>> {
-    let file = hdf5::File::open(path).map_err(|e| anyhow::anyhow!("cannot open {} as HDF5: {e}", path.display()))?;
+pub fn inspect(path: &Path) -> Result<Vec<DatasetReport>, InspectError> {
+    let file = hdf5::File::open(path).map_err(|error| InspectError::Open { path: path.to_owned(), error })?;
     let cache = CacheCtx::disabled();
     let mut out = Vec::new();
     let mut seen = Vec::new();
@@ -59,14 +84,14 @@ fn visit(
     cache: &CacheCtx,
     seen: &mut Vec<(u64, hdf5::LocationToken)>,
     out: &mut Vec<DatasetReport>,
-) -> anyhow::Result<()> {
+) -> Result<(), InspectError> {
     let info = group.loc_info()?;
     if seen.contains(&(info.fileno, info.token)) {
         return Ok(());
     }
     seen.push((info.fileno, info.token));
     if prefix.split('/').count() > MAX_GROUP_DEPTH {
-        anyhow::bail!("group {prefix:?} is nested more than {MAX_GROUP_DEPTH} deep");
+        return Err(InspectError::TooDeep { prefix: prefix.to_string() });
     }
     // External links are not followed (the daemon would refuse them too).
     let mut links = BTreeMap::new();
@@ -182,7 +207,7 @@ pub struct LmdbReport {
 /// of each are decoded far enough to learn their shapes). One environment
 /// whose name says `HR` or `LR` is scanned with its partner from the same
 /// directory (`DIV2K_train_HR_sub.lmdb` and `DIV2K_train_LR_bicubic_X4_sub.lmdb`).
-pub fn inspect_lmdb(paths: &[PathBuf], probe: usize) -> anyhow::Result<Vec<LmdbReport>> {
+pub fn inspect_lmdb(paths: &[PathBuf], probe: usize) -> Result<Vec<LmdbReport>, InspectError> {
     let mut envs: Vec<(PathBuf, bool)> = paths.iter().map(|p| (absolute(p), false)).collect();
     if let [(only, _)] = envs.as_slice()
         && let Some(partner) = partners(only).into_iter().next()

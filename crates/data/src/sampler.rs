@@ -360,6 +360,8 @@ impl Sampler {
     }
 
     /// Dataset index of row `row` of batch `step`.
+    // Called per row by the daemon's fill loop, across the crate boundary.
+    #[inline]
     pub fn index(&self, perm: Option<&Order>, step: u64, row: u64) -> u64 {
         let position = self.rank + (step * self.batch_size + row) * self.world;
         // Positions past n are DistributedSampler's wrap-around padding.

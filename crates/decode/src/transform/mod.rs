@@ -17,165 +17,19 @@
 #![forbid(unsafe_code)]
 
 mod def;
+mod error;
 mod nd;
 mod resize;
 pub mod stats;
+mod step;
 
 use stoker_proto::DType;
 use stoker_proto::hash::{fnv1a, splitmix64};
 
 use crate::codec::AlignedBuf;
+pub use error::{GeometryError, TransformError};
 pub use resize::ResizeError;
-
-/// A transform step, in declaration order. Steps compare with `==` on their
-/// parameters (floats as floats) and hash consistently with that (see the
-/// `Hash` impl), so a dataset's identity is its steps' derived identity.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Step {
-    /// Crop `height × width` from the centre (offset `(H - h) / 2`, rounded down).
-    CenterCrop {
-        /// Rows kept.
-        height: u64,
-        /// Columns kept.
-        width: u64,
-    },
-    /// Crop `height × width` at an offset drawn uniformly from every position that fits.
-    RandomCrop {
-        /// Rows kept.
-        height: u64,
-        /// Columns kept.
-        width: u64,
-    },
-    /// Resize to `height × width` (uint8, uint16 or float32 data, 1–4 channels).
-    Resize {
-        /// Output rows.
-        height: u64,
-        /// Output columns.
-        width: u64,
-        /// Interpolation.
-        filter: Filter,
-    },
-    /// Mirror left–right with probability 0.5.
-    RandomHFlip,
-    /// Convert to float32, multiplied by `scale` (`1/255` maps uint8 to `[0, 1]`).
-    ToF32 {
-        /// Factor applied while converting.
-        scale: f32,
-    },
-    /// `(x - mean[c]) / std[c]` per channel, as float32 (one value broadcasts to all channels).
-    Normalize {
-        /// Per-channel mean, in the units of the input to this step.
-        mean: Vec<f32>,
-        /// Per-channel standard deviation.
-        std: Vec<f32>,
-    },
-    /// Deliver `[c, h, w]` instead of `[h, w, c]` (a `[h, w]` array becomes `[1, h, w]`); on other
-    /// arrays the channel axis (the last, when it is not spatial) moves before the spatial axes.
-    ToChw,
-    /// Mirror top–bottom with probability 0.5.
-    RandomVFlip,
-    /// `np.rot90(x, k, axes=spatial)` with `k` uniform in 0..4 (the spatial sizes must be equal).
-    RandomRot90,
-    /// Convert to `dtype` as numpy's `astype` (floats to integers saturate; NaN becomes 0).
-    Cast {
-        /// Target type.
-        dtype: DType,
-    },
-    /// `(x - mean) / std` as float32, `mean` and `std` of shape `dims` broadcast against the
-    /// array's trailing axes (numpy broadcasting): per-component statistics of vector or tensor fields.
-    NormalizeTrailing {
-        /// Means, C order.
-        mean: Vec<f32>,
-        /// Standard deviations, C order.
-        std: Vec<f32>,
-        /// Their shape.
-        dims: Vec<u64>,
-    },
-    /// Reorder axes: axis `i` of the output is axis `axes[i]` of the input.
-    Permute {
-        /// A permutation of `0..rank`.
-        axes: Vec<usize>,
-    },
-    /// Shrink both spatial axes to `floor(size / factor)`: block means (as float32, float64 for
-    /// float64 input) or, with `mean: false`, every `factor`-th element (same dtype).
-    Downsample {
-        /// Block size, at least 1.
-        factor: u64,
-        /// Block mean rather than stride.
-        mean: bool,
-    },
-    /// `normalize` whose statistics are still to be read from a file ([`stats`]); the dataset
-    /// replaces it with the statistics before building the chain.
-    NormalizeFrom {
-        /// The statistics file.
-        stats: String,
-        /// Its entry.
-        key: String,
-    },
-}
-
-/// A step is a map key (an open dataset's identity). Its `f32` parameters
-/// make `==` non-reflexive only for NaN: a chain holding NaN never equals
-/// another, so such a dataset is opened afresh, never confused with one.
-impl Eq for Step {}
-
-impl std::hash::Hash for Step {
-    /// Hashes what `==` compares: the variant and every parameter, floats by
-    /// their bits with `-0.0` as `0.0` (equal floats hash equal).
-    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
-        fn floats<H: std::hash::Hasher>(values: &[f32], h: &mut H) {
-            values.len().hash(h);
-            for v in values {
-                (if *v == 0.0 { 0 } else { v.to_bits() }).hash(h);
-            }
-        }
-        std::mem::discriminant(self).hash(h);
-        match self {
-            Step::CenterCrop { height, width } | Step::RandomCrop { height, width } => (height, width).hash(h),
-            Step::Resize { height, width, filter } => (height, width, filter).hash(h),
-            Step::ToF32 { scale } => floats(&[*scale], h),
-            Step::Normalize { mean, std } => {
-                floats(mean, h);
-                floats(std, h);
-            }
-            Step::NormalizeTrailing { mean, std, dims } => {
-                floats(mean, h);
-                floats(std, h);
-                dims.hash(h);
-            }
-            Step::Cast { dtype } => dtype.hash(h),
-            Step::Permute { axes } => axes.hash(h),
-            Step::Downsample { factor, mean } => (factor, mean).hash(h),
-            Step::NormalizeFrom { stats, key } => (stats, key).hash(h),
-            Step::RandomHFlip | Step::ToChw | Step::RandomVFlip | Step::RandomRot90 => {}
-        }
-    }
-}
-
-/// Interpolation for [`Step::Resize`]; convolution-based, antialiased when
-/// shrinking (as Pillow's `Image.resize` and torchvision's `antialias=True`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum Filter {
-    /// Nearest neighbour (labels, masks).
-    Nearest,
-    /// Bilinear (triangle) filter.
-    #[default]
-    Bilinear,
-    /// Catmull-Rom bicubic.
-    Bicubic,
-    /// Lanczos, three lobes.
-    Lanczos3,
-}
-
-/// Pairing of a field's random draws with another field's.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Pair {
-    /// The field whose draws this chain follows (its chain must have the same
-    /// geometric steps, sizes divided by `scale`, and no pairing of its own).
-    pub with: String,
-    /// This field's size over the other's: 4 for HR paired with 4×-downscaled LR.
-    pub scale: u64,
-}
+pub use step::{Filter, Pair, Step};
 
 /// A decoded array a chain reads: C-ordered, native-endian bytes of `dtype` and `shape`.
 #[derive(Debug, Clone, Copy)]
@@ -197,123 +51,6 @@ pub struct SampleKey {
     pub epoch: u64,
     /// The dataset index.
     pub index: u64,
-}
-
-/// Errors declaring a chain or applying it to an array.
-#[derive(Debug, thiserror::Error)]
-pub enum TransformError {
-    /// The chain itself is malformed (found when it is built).
-    #[error("field {field:?}: invalid transforms: {message}")]
-    Invalid {
-        /// The field.
-        field: String,
-        /// What is wrong.
-        message: String,
-    },
-    /// The array does not suit the chain (too small to crop, wrong rank, unsupported type).
-    #[error("field {field:?}: {message}")]
-    Input {
-        /// The field.
-        field: String,
-        /// What does not fit.
-        message: String,
-    },
-    /// A resize cannot run on the array: its type or channels, or sizes beyond what resize handles.
-    #[error("field {field:?}: {problem}")]
-    Resize {
-        /// The field.
-        field: String,
-        /// What does not fit.
-        problem: ResizeError,
-    },
-    /// The spatial axes, or a crop's window, do not fit the array.
-    #[error("field {field:?}: {problem}")]
-    Geometry {
-        /// The field.
-        field: String,
-        /// What does not fit.
-        problem: GeometryError,
-    },
-    /// A `cast` names a dtype stoker does not know.
-    #[error("field {field:?}: invalid transforms: cast to {name:?}: use one of {known:?}")]
-    UnknownDtype {
-        /// The field.
-        field: String,
-        /// The name given.
-        name: String,
-        /// The names stoker knows (numpy's).
-        known: Vec<&'static str>,
-    },
-    /// A step would make an array larger than the limit (checked before anything is allocated).
-    #[error(
-        "field {field:?}: {step} makes a {dtype} {shape:?} array of {size}, more than [limits] max_sample_bytes \
-         = {limit} bytes; use smaller sizes in the field's transforms (or ask the daemon's admin to raise the limit)",
-        size = bytes.map_or_else(|| "more than 2^64 bytes".to_string(), |b| format!("{b} bytes"))
-    )]
-    TooLarge {
-        /// The field.
-        field: String,
-        /// The step (or "the decoded value" for the chain's input).
-        step: String,
-        /// Element type at that point.
-        dtype: DType,
-        /// `[h, w, c]` at that point.
-        shape: Vec<u64>,
-        /// Its bytes; `None` when that does not fit in 64 bits.
-        bytes: Option<u64>,
-        /// The limit in force.
-        limit: u64,
-    },
-}
-
-/// Why the spatial axes a chain works on, or a crop's window, do not fit an array.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum GeometryError {
-    /// Spatial steps (or pairing) on an array of fewer than 2 dimensions.
-    #[error(
-        "crops, flips, rotations, resizing, downsampling, chw and pairing need at least 2 dimensions (two spatial \
-         axes), not {rank}; a {rank}-d field takes only cast, normalize and permute"
-    )]
-    TooFewAxes {
-        /// The array's number of dimensions.
-        rank: usize,
-    },
-    /// A spatial axis, as given (negative from the end), is not an axis of the array.
-    #[error("spatial axis {axis} is outside a {rank}-d array")]
-    AxisOutside {
-        /// The axis given.
-        axis: i64,
-        /// The array's number of dimensions.
-        rank: usize,
-    },
-    /// Both spatial axes name one axis.
-    #[error("spatial axes {a} and {b} are the same axis")]
-    SameAxis {
-        /// The first axis given.
-        a: i64,
-        /// The second axis given.
-        b: i64,
-    },
-    /// A crop's window lies partly outside the array (only a paired chain
-    /// whose sizes are not `scale` × its leader's gets there).
-    #[error(
-        "crop {height}×{width} at ({top}, {left}) does not fit in {rows}×{columns}; are the paired sizes scale × \
-         the leader's?"
-    )]
-    CropOutside {
-        /// First row of the window.
-        top: u64,
-        /// First column of the window.
-        left: u64,
-        /// Rows of the window.
-        height: u64,
-        /// Columns of the window.
-        width: u64,
-        /// Rows of the array.
-        rows: u64,
-        /// Columns of the array.
-        columns: u64,
-    },
 }
 
 /// Buffers a chain reuses between samples (one per worker).
@@ -808,43 +545,6 @@ impl Chain {
     /// A [`ResizeError`] of this chain's field.
     fn resize_error(&self, problem: ResizeError) -> TransformError {
         TransformError::Resize { field: self.field.clone(), problem }
-    }
-}
-
-impl Step {
-    /// The step as the config spells it, for messages.
-    pub(crate) fn describe(&self) -> String {
-        match self {
-            Step::CenterCrop { height, width } => format!("center_crop {height}×{width}"),
-            Step::RandomCrop { height, width } => format!("random_crop {height}×{width}"),
-            Step::Resize { height, width, .. } => format!("resize to {height}×{width}"),
-            Step::RandomHFlip => "hflip".into(),
-            Step::ToF32 { .. } => "to_f32".into(),
-            Step::Normalize { .. } => "normalize".into(),
-            Step::ToChw => "chw".into(),
-            Step::RandomVFlip => "vflip".into(),
-            Step::RandomRot90 => "rot90".into(),
-            Step::Cast { dtype } => format!("cast to {dtype}"),
-            Step::NormalizeTrailing { dims, .. } => format!("normalize over {dims:?}"),
-            Step::Permute { axes } => format!("permute {axes:?}"),
-            Step::Downsample { factor, mean } => {
-                format!("downsample by {factor} ({})", if *mean { "mean" } else { "stride" })
-            }
-            Step::NormalizeFrom { stats, key } => format!("normalize with {key:?} of {stats}"),
-        }
-    }
-
-    /// Whether the step moves pixels (and so must match between paired chains).
-    fn is_geometric(&self) -> bool {
-        matches!(
-            self,
-            Step::CenterCrop { .. }
-                | Step::RandomCrop { .. }
-                | Step::Resize { .. }
-                | Step::RandomHFlip
-                | Step::RandomVFlip
-                | Step::RandomRot90
-        )
     }
 }
 

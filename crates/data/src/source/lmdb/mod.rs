@@ -8,7 +8,7 @@
 //! directory holding `data.mdb` (Python `lmdb.open(path)`) or the data file
 //! itself (`subdir=False`). Every read runs in its own read transaction
 //! (cheap without the lock table); a value is copied out of the map under the
-//! fault guard ([`guard`]) and decoded from that copy.
+//! fault guard (`guard.rs`) and decoded from that copy.
 //!
 //! Sample order is the key order of the first field's environment (bytewise,
 //! after a [`KeyFilter`]) or the order of a key file. Fields read from other
