@@ -80,7 +80,7 @@ pub enum Step {
         /// Block mean rather than stride.
         mean: bool,
     },
-    /// `normalize` whose statistics are still to be read from a file ([`stats`]); the dataset
+    /// `normalize` whose statistics are still to be read from a file ([`super::stats`]); the dataset
     /// replaces it with the statistics before building the chain.
     NormalizeFrom {
         /// The statistics file.
