@@ -83,6 +83,63 @@ def test_fifo_key_file_is_refused_quickly(stoker: Any, start_daemon: Callable[..
     loader.close()
 
 
+def test_key_files_are_bounded_before_they_are_read(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A key file is a user's file: a 2 GiB sparse one (no disk blocks) took
+    the daemon to 8 GiB; now its size, line length, key length and the key
+    text echoed in messages are all bounded, and the daemon serves on."""
+    env = write_env(tmp_path / "env.lmdb", {key(i): bytes([i]) * 4 for i in range(8)})
+    daemon = start_daemon(allowed_roots=[tmp_path], threads=2)
+    fields = {"x": {"codec": "raw", "dtype": "uint8", "shape": [4]}}
+    sparse = tmp_path / "sparse.txt"
+    with open(sparse, "wb") as f:
+        f.truncate(2 << 30)
+    long_line = tmp_path / "long-line.txt"
+    long_line.write_bytes(key(0).encode() + b"\n" + b"k" * 10_000 + b"\n")
+    long_key = tmp_path / "long-key.txt"
+    long_key.write_bytes(b"k" * 600 + b"\n")
+    not_text = tmp_path / "binary.txt"
+    not_text.write_bytes(b"\xff\xfe\n")
+    cases = [
+        (sparse, "more than a key file may be"),
+        (long_line, "line 2 is longer than 4096 bytes"),
+        (long_key, "more than LMDB's 511-byte limit"),
+        (not_text, "line 1 is not UTF-8"),
+    ]
+    for path, expected in cases:
+        with pytest.raises(stoker.DatasetError) as err:
+            loader = stoker.Loader(
+                stoker.lmdb(env, fields=fields, key_file=path), batch_size=4, socket=daemon.socket, timeout=30
+            )
+            next(iter(loader))
+        message = str(err.value)
+        assert expected in message and str(path) in message, message
+    # A listed key the environment lacks is named, cut to a bounded length.
+    missing = tmp_path / "missing.txt"
+    missing.write_bytes(key(0).encode() + b"\n" + b"z" * 400 + b"\n")
+    with pytest.raises(stoker.DatasetError) as err:
+        loader = stoker.Loader(
+            stoker.lmdb(env, fields=fields, key_file=missing), batch_size=4, socket=daemon.socket, timeout=30
+        )
+        next(iter(loader))
+    message = str(err.value)
+    assert "z" * 100 in message and "z" * 101 not in message and "400 bytes" in message, message
+    # Nothing of the 2 GiB was ever allocated.
+    status = Path(f"/proc/{daemon.proc.pid}/status").read_text()
+    peak_kib = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))
+    assert peak_kib < 512 * 1024, f"daemon peak RSS {peak_kib} KiB"
+    # The daemon still serves, a key file that is right included.
+    good = tmp_path / "good.txt"
+    good.write_bytes(b"".join(key(i).encode() + b"\n" for i in (3, 1, 2, 0)))
+    loader = stoker.Loader(
+        stoker.lmdb(env, fields=fields, key_file=good), batch_size=4, shuffle=False, socket=daemon.socket, timeout=30
+    )
+    (batch,) = list(loader)
+    assert np.array_equal(np.array(batch["x"])[:, 0], [3, 1, 2, 0])
+    loader.close()
+
+
 def test_hdf5_glob_matching_a_fifo_is_refused(stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path) -> None:
     write_rows(tmp_path / "a.h5", np.arange(6, dtype="<i4").reshape(3, 2))
     os.mkfifo(tmp_path / "b.h5")

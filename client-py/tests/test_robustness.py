@@ -629,3 +629,8 @@ def test_a_long_run_of_failed_batches_each_raises_its_dataset_error(
         assert served == good and len(failed) == n - good
         assert all(f'key "{key(good + i)}"' in m for i, m in enumerate(failed)), failed[:3]
     assert d.alive()
+    # The failures are in the client's exceptions; the daemon's log says so
+    # once per stream and interval (it wrote a warning per failed batch: ~5 MB/s
+    # for a client taking an all-failing stream's records).
+    warnings = d.stderr().count("batch failed")
+    assert 1 <= warnings <= 30, f"{warnings} 'batch failed' warnings for {3 * (n - good)} failed batches"

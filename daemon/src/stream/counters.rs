@@ -126,3 +126,58 @@ impl Drop for Timer<'_> {
         self.total_ns.fetch_add(ns, Ordering::Relaxed);
     }
 }
+
+/// Lets a repeated warning through at most once per [`WarnLimit::EVERY`],
+/// counting the rest; shared by worker threads without a lock.
+#[derive(Debug, Default)]
+pub struct WarnLimit {
+    /// When the last warning was let through, in milliseconds since the
+    /// process's first call plus one (0: none yet).
+    last_ms: AtomicU64,
+    suppressed: AtomicU64,
+}
+
+impl WarnLimit {
+    /// The shortest interval between two warnings let through.
+    pub const EVERY: Duration = Duration::from_secs(10);
+
+    /// `Some(n)` when a warning may be logged now (`n` were suppressed since
+    /// the last one), `None` when it is counted instead.
+    pub fn allow(&self) -> Option<u64> {
+        static START: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(Instant::now);
+        let now = u64::try_from(START.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.allow_at(now.saturating_add(1))
+    }
+
+    fn allow_at(&self, now_ms: u64) -> Option<u64> {
+        let last = self.last_ms.load(Ordering::Relaxed);
+        let every = u64::try_from(Self::EVERY.as_millis()).unwrap_or(u64::MAX);
+        let due = last == 0 || now_ms.saturating_sub(last) >= every;
+        // One thread wins the slot; the others count themselves suppressed.
+        if due && self.last_ms.compare_exchange(last, now_ms, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+            return Some(self.suppressed.swap(0, Ordering::Relaxed));
+        }
+        self.suppressed.fetch_add(1, Ordering::Relaxed);
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_warn_limit_lets_one_through_per_interval_and_counts_the_rest() {
+        let limit = WarnLimit::default();
+        assert_eq!(limit.allow_at(1), Some(0));
+        let let_through = std::thread::scope(|s| {
+            let threads: Vec<_> =
+                (0..4).map(|_| s.spawn(|| (0..250).filter(|_| limit.allow_at(5_000).is_some()).count())).collect();
+            threads.into_iter().map(|t| t.join().unwrap()).sum::<usize>()
+        });
+        assert_eq!(let_through, 0, "within the interval nothing more is let through");
+        assert_eq!(limit.allow_at(10_001), Some(1000), "the next interval's first says how many were not");
+        assert_eq!(limit.allow_at(10_002), None);
+        assert!(WarnLimit::default().allow().is_some(), "the first one ever is let through");
+    }
+}

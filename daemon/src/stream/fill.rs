@@ -110,7 +110,9 @@ impl Stream {
                     // The next epoch's files are matched at its `set_epoch`.
                     return;
                 }
-                st.produce_epoch += 1;
+                // The last epoch a u64 counts has no next one to read ahead into.
+                let Some(next) = st.produce_epoch.checked_add(1) else { return };
+                st.produce_epoch = next;
                 st.next_produce = 0;
             }
             let step = st.next_produce;
@@ -194,7 +196,9 @@ impl Stream {
                         continue;
                     }
                     Ok(Err(e)) => {
-                        tracing::warn!(stream = self.meta.id, error = %e, "batch failed");
+                        if let Some(suppressed) = self.failures_logged.allow() {
+                            tracing::warn!(stream = self.meta.id, error = %e, suppressed, "batch failed");
+                        }
                         e.to_string()
                     }
                     Err(payload) => {

@@ -47,7 +47,7 @@ pub use error::StreamError;
 
 use crate::ring::{ControlPage, Ring};
 pub use budget::{Budget, Reservation};
-use counters::DatasetCounters;
+use counters::{DatasetCounters, WarnLimit};
 use stoker_data::sampler::Sampler;
 use stoker_data::source::Source;
 
@@ -113,6 +113,10 @@ pub struct Stream {
     pool: Arc<rayon::ThreadPool>,
     state: Mutex<State>,
     opened: Instant,
+    /// Failed samples are logged at most once per [`WarnLimit::EVERY`]: a
+    /// client taking the records of an all-failing stream wrote megabytes of
+    /// warnings a second.
+    failures_logged: WarnLimit,
 }
 
 #[derive(Debug)]
@@ -122,6 +126,8 @@ struct State {
     next_deliver: u64,
     /// Epoch and step of the next batch to start filling.
     produce_epoch: u64,
+    /// `EndOfEpoch` of epoch `u64::MAX` was published: nothing follows it until a `set_epoch`.
+    ended_last_epoch: bool,
     next_produce: u64,
     generation: u64,
     /// The epoch whose file list the source holds (rescan streams), and its generation.
@@ -241,10 +247,12 @@ impl Stream {
             sampler: RwLock::new(Arc::new(sampler)),
             shm,
             pool,
+            failures_logged: WarnLimit::default(),
             state: Mutex::new(State {
                 epoch,
                 next_deliver: step,
                 produce_epoch: epoch,
+                ended_last_epoch: false,
                 next_produce: step,
                 generation: 0,
                 scanned: (epoch, generation),
@@ -502,6 +510,7 @@ impl Stream {
         st.epoch = epoch;
         st.next_deliver = step;
         st.produce_epoch = epoch;
+        st.ended_last_epoch = false;
         st.next_produce = step;
         for s in &mut st.slots {
             if matches!(s.state, SlotState::Ready { .. }) {
@@ -594,11 +603,20 @@ impl Stream {
                 if st.epoch > st.produce_epoch || (batches == 0 && st.epoch != st.produce_epoch) {
                     return false;
                 }
+                if st.ended_last_epoch {
+                    // Epoch u64::MAX ended: there is no epoch after it to deliver.
+                    return false;
+                }
                 let record =
                     Record { kind: RecordKind::EndOfEpoch, slot: 0, segment: 0, epoch: st.epoch, step: 0, rows: 0 };
                 self.publish_record(st, record);
-                st.epoch += 1;
-                st.next_deliver = 0;
+                match st.epoch.checked_add(1) {
+                    Some(next) => {
+                        st.epoch = next;
+                        st.next_deliver = 0;
+                    }
+                    None => st.ended_last_epoch = true,
+                }
                 continue;
             }
             let (generation, epoch, step) = (st.generation, st.epoch, st.next_deliver);

@@ -553,6 +553,32 @@ fn a_rescan_stream_stops_at_the_epoch_end_and_reads_the_rescanned_source_from_se
     assert_eq!(client.take().kind, RecordKind::EndOfEpoch);
 }
 
+#[test]
+fn the_last_epoch_a_u64_counts_ends_like_any_other() {
+    // Epoch 2^64 - 1 had its batches and never its end: the counter wrapped.
+    let source: Arc<dyn Source> = Arc::new(Offset { fields: vec![u64_field()], len: 8, add: 0 });
+    for first in [u64::MAX - 1, u64::MAX] {
+        let stream = start(source.clone(), "last", 8, 4, 3, 2, (first, 0));
+        let mut client = Client::new(&stream);
+        for epoch in first..=u64::MAX {
+            for step in 0..2 {
+                let rec = client.take();
+                assert_eq!((rec.kind, rec.epoch, rec.step), (RecordKind::Batch, epoch, step));
+                client.give_back(rec.slot);
+            }
+            let end = client.take();
+            assert_eq!((end.kind, end.epoch), (RecordKind::EndOfEpoch, epoch));
+        }
+        assert!(client.try_take(Duration::from_millis(100)).is_none(), "nothing after the last epoch");
+        // set_epoch still moves it anywhere.
+        let skip_to = stream.set_epoch(3, 1).unwrap();
+        client.q.skip_to(stream.control().control(), skip_to);
+        let rec = client.take();
+        assert_eq!((rec.kind, rec.epoch, rec.step), (RecordKind::Batch, 3, 1));
+        stream.close(false);
+    }
+}
+
 /// Ragged values of `len` u8s for sample i: i+1 bytes, except sample 5: `big` bytes.
 #[derive(Debug)]
 struct Ragged {

@@ -2,6 +2,7 @@
 //! keys are shown in messages, and read errors naming environment, key and field.
 
 use std::fmt;
+use std::io::{BufRead, Read};
 use std::path::Path;
 
 use crate::source::{LmdbReadError, SourceError};
@@ -35,29 +36,73 @@ pub(super) fn is_metadata_key(key: &[u8]) -> bool {
 
 /// Reads a key file: one key per line, or BasicSR `meta_info.txt` lines.
 pub(super) fn read_key_file(path: &Path, opened: Option<&std::fs::File>) -> Result<Keys, SourceError> {
-    let err = |e: std::io::Error| SourceError::LmdbKeyFile { path: path.to_owned(), message: e.to_string() };
+    let refuse = |message: String| SourceError::LmdbKeyFile { path: path.to_owned(), message };
     // Opened here when not beforehand: a regular file only (a FIFO would block).
     let own = match opened {
         Some(_) => None,
         None => Some(
-            crate::fsaccess::open(path, None, crate::fsaccess::Want::File)
-                .map_err(|e| SourceError::LmdbKeyFile { path: path.to_owned(), message: e.to_string() })?
-                .file,
+            crate::fsaccess::open(path, None, crate::fsaccess::Want::File).map_err(|e| refuse(e.to_string()))?.file,
         ),
     };
-    let mut text = String::new();
-    if let Some(mut file) = opened.or(own.as_ref()) {
-        std::io::Read::read_to_string(&mut file, &mut text).map_err(err)?;
+    let Some(file) = opened.or(own.as_ref()) else { return Ok(Keys::default()) };
+    // A user's file: its size is checked before anything is read (a sparse
+    // file of gigabytes costs its owner nothing), and it is read a bounded
+    // line at a time, so memory stays within the keys it really lists.
+    let size = file.metadata().map_err(|e| refuse(e.to_string()))?.len();
+    if size > MAX_KEY_FILE_BYTES {
+        return Err(refuse(format!(
+            "is {size} bytes, more than a key file may be ({MAX_KEY_FILE_BYTES} bytes: one key per line); is it \
+             the right file?"
+        )));
     }
+    let mut reader = std::io::BufReader::new(file).take(size);
     let mut keys = Keys::default();
-    for line in text.lines() {
-        let line = line.trim();
-        if !line.is_empty() {
-            keys.push(basicsr_key(line).unwrap_or(line).as_bytes());
+    let mut line = Vec::new();
+    for number in 1u64.. {
+        line.clear();
+        let read = (&mut reader).take(MAX_KEY_LINE_BYTES + 1).read_until(b'\n', &mut line);
+        if read.map_err(|e| refuse(e.to_string()))? == 0 {
+            break;
         }
+        if line.len() as u64 > MAX_KEY_LINE_BYTES {
+            return Err(refuse(format!(
+                "line {number} is longer than {MAX_KEY_LINE_BYTES} bytes (one key per line, or BasicSR \
+                 meta_info lines)"
+            )));
+        }
+        let text =
+            std::str::from_utf8(&line).map_err(|e| refuse(format!("line {number} is not UTF-8 text ({e})")))?.trim();
+        if text.is_empty() {
+            continue;
+        }
+        let key = basicsr_key(text).unwrap_or(text).as_bytes();
+        if key.len() > MAX_KEY_BYTES {
+            return Err(refuse(format!(
+                "line {number}: key {} is {} bytes, more than LMDB's {MAX_KEY_BYTES}-byte limit, so no environment \
+                 holds it",
+                show_key(key),
+                key.len()
+            )));
+        }
+        if keys.len() as u64 >= MAX_KEY_FILE_KEYS {
+            return Err(refuse(format!("lists more than {MAX_KEY_FILE_KEYS} keys")));
+        }
+        keys.push(key);
     }
     Ok(keys)
 }
+
+/// Largest key file read (bytes): a key per line of ImageNet-sized datasets
+/// is tens of MB.
+pub(super) const MAX_KEY_FILE_BYTES: u64 = 256 << 20;
+/// Largest line of a key file (a key, or a BasicSR `meta_info.txt` line).
+const MAX_KEY_LINE_BYTES: u64 = 4096;
+/// Largest key LMDB stores (`mdb_env_get_maxkeysize` of the default build).
+pub(super) const MAX_KEY_BYTES: usize = 511;
+/// Most keys a key file may list (each costs its bytes plus 8).
+const MAX_KEY_FILE_KEYS: u64 = 32 << 20;
+/// Longest key shown in a message (longer ones are cut, with its length).
+const SHOWN_KEY_BYTES: usize = 100;
 
 /// The key of a BasicSR `meta_info.txt` line `NAME.EXT (h,w,c) LEVEL`: NAME
 /// up to its first dot, as BasicSR's `line.split('.')[0]`. `None` for other lines.
@@ -70,10 +115,16 @@ pub(super) fn basicsr_key(line: &str) -> Option<&str> {
 
 /// A key for messages: as text when it is UTF-8, escaped otherwise.
 pub(super) fn show_key(key: &[u8]) -> String {
-    match std::str::from_utf8(key) {
+    let (shown, cut) = match key.len() > SHOWN_KEY_BYTES {
+        true => (&key[..SHOWN_KEY_BYTES], true),
+        false => (key, false),
+    };
+    let text = match std::str::from_utf8(shown) {
         Ok(text) => text.to_string(),
-        Err(_) => key.escape_ascii().to_string(),
-    }
+        // A cut may split a UTF-8 character: show what decodes, escaped.
+        Err(_) => shown.escape_ascii().to_string(),
+    };
+    if cut { format!("{text}… ({} bytes)", key.len()) } else { text }
 }
 
 /// Keys packed into one allocation (a million keys cost their bytes plus 8 each).
