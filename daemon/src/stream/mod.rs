@@ -446,10 +446,12 @@ impl Stream {
                 self.drain(st); // closes the stream, naming why
                 return;
             }
-            for &id in &again {
-                self.release_slot(st, id);
-            }
-            if again.is_empty() && !(full && st.publisher.untaken(control) < untaken) {
+            let freed = again.iter().filter(|&&id| self.release_slot(st, id)).count();
+            st.bad_releases = st.bad_releases.saturating_add((again.len() - freed) as u64);
+            // Only slots given back (or records taken) move the stream on;
+            // ids of slots the client does not hold (a client refilling its
+            // queue with them) must not keep the daemon here, lock held.
+            if freed == 0 && !(full && st.publisher.untaken(control) < untaken) {
                 return;
             }
         }

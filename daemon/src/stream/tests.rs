@@ -4,7 +4,7 @@
 use stoker_proto::ctrl::Consumer;
 use stoker_proto::{DType, LayoutLimits};
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::*;
 use stoker_data::source::{FieldOut, FieldSpec, SampleRef, Source, SourceError};
@@ -577,6 +577,46 @@ fn the_last_epoch_a_u64_counts_ends_like_any_other() {
         assert_eq!((rec.kind, rec.epoch, rec.step), (RecordKind::Batch, 3, 1));
         stream.close(false);
     }
+}
+
+#[test]
+fn one_wake_does_bounded_work_whatever_the_release_queue_holds() {
+    // A client kept its queue full of slot ids it does not hold: one 6-byte
+    // `Wake` processed millions of them with the stream lock held.
+    let source: Arc<dyn Source> = Arc::new(Offset { fields: vec![u64_field()], len: 64, add: 0 });
+    let stream = start(source, "bogus", 64, 4, 2, 1, (0, 0));
+    let mut client = Client::new(&stream);
+    // Hold both slots: no fill runs, so the stream waits for word from the client.
+    let held = [client.take(), client.take()];
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let pushed = AtomicU64::new(0);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut q = Consumer::default();
+            while !stop.load(Ordering::Relaxed) {
+                if q.release(stream.control().control(), 9_999).is_some() {
+                    pushed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+        let mut wakes = 0;
+        while wakes < 20 || pushed.load(Ordering::Relaxed) < 100_000 {
+            // Entries the daemon took from the queue during this one wake.
+            let reclaimed = || stream.control().control().daemon.reclaimed.load(Ordering::Acquire);
+            let before = reclaimed();
+            stream.wake();
+            let processed = u64::from(reclaimed().wrapping_sub(before));
+            assert!(
+                processed <= 2 * u64::from(stoker_proto::ctrl::RELEASES),
+                "one wake took {processed} bogus releases"
+            );
+            wakes += 1;
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    // The stream still works: the held batches are the first two, in order.
+    assert_eq!([held[0].step, held[1].step], [0, 1]);
+    stream.close(false);
 }
 
 /// Ragged values of `len` u8s for sample i: i+1 bytes, except sample 5: `big` bytes.
