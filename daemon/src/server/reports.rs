@@ -184,6 +184,17 @@ impl Daemon {
                 add(self.caches.samples.drop_dataset(None));
             }
             Some(label) => {
+                // A named dataset's entries serve every user of the node: one
+                // user dropping them would slow everyone else's jobs.
+                if visible.is_some() && self.settings().datasets.contains_key(label) {
+                    return Response::Error {
+                        kind: ErrorKind::PermissionDenied,
+                        message: format!(
+                            "the cache entries of dataset {label:?} (named in the daemon's config) serve every user \
+                             of the node; only root and the daemon's user may drop them"
+                        ),
+                    };
+                }
                 if visible.as_ref().is_some_and(|v| !v.contains(label)) {
                     return Response::Error {
                         kind: ErrorKind::NotFound,

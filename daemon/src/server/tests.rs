@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use stoker_proto::{ClientStatus, Request};
+use stoker_proto::{ClientStatus, ErrorKind, Request, Response};
 use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
 
@@ -75,6 +75,19 @@ fn each_uid_sees_only_its_own_clients_and_root_sees_all() {
     assert_eq!(ids(0, 99), [1, 2, 3]);
     // The connection asking, without streams, is a status query, not a client.
     assert_eq!(ids(1000, 2), [1]);
+}
+
+#[test]
+fn only_root_and_the_daemon_drop_a_named_datasets_shared_entries() {
+    let d = daemon("[datasets.train]\nformat = \"hdf5\"\nfiles = \"/data/*.h5\"\nfields = { x = \"x\" }\n");
+    let refused = d.cache_drop(1000, Some("train"));
+    assert!(
+        matches!(&refused, Response::Error { kind: ErrorKind::PermissionDenied, message } if message.contains("serve every user")),
+        "{refused:?}"
+    );
+    assert!(matches!(d.cache_drop(1000, None), Response::Error { kind: ErrorKind::PermissionDenied, .. }));
+    // Root may (nothing is cached here: it is told so, not refused).
+    assert!(matches!(d.cache_drop(0, Some("train")), Response::Error { kind: ErrorKind::NotFound, .. }));
 }
 
 /// Runs the frame reader over one end of a socket pair; the test writes `bytes` to the other.
