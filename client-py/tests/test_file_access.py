@@ -140,6 +140,40 @@ def test_key_files_are_bounded_before_they_are_read(
     loader.close()
 
 
+def test_globs_are_bounded_walks_beneath_the_allowed_roots(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    """`loop/**/x.h5` over two self-symlinks kept a daemon thread busy, memory
+    growing, long after the client gave up; and the walk ran before the
+    allowed_roots check. Now `**` does not follow symlinks into directories,
+    and a pattern outside the roots is refused before anything is listed."""
+    loop = tmp_path / "loop"
+    loop.mkdir()
+    os.symlink(loop, loop / "self")
+    os.symlink(loop, loop / "again")
+    daemon = start_daemon(allowed_roots=[tmp_path], threads=2)
+    for _ in range(3):
+        with pytest.raises(stoker.DatasetError, match="no files match"):
+            stoker.Loader(
+                stoker.hdf5(str(loop / "**" / "x.h5"), fields={"x": "x"}), batch_size=2, socket=daemon.socket, timeout=30
+            )
+    # One file in the tree: found once, not once per path through the links.
+    write_rows(loop / "x.h5", np.arange(4, dtype="<i4").reshape(2, 2))
+    loader = stoker.Loader(
+        stoker.hdf5(str(loop / "**" / "x.h5"), fields={"x": "x"}), batch_size=2, socket=daemon.socket, timeout=30
+    )
+    assert len(loader) == 1
+    loader.close()
+    with pytest.raises(stoker.AccessDenied, match="allowed_roots"):
+        stoker.Loader(stoker.hdf5("/usr/**/nothing.h5", fields={"x": "x"}), batch_size=2, socket=daemon.socket, timeout=30)
+    # No thread of the daemon is left walking.
+    busy = Path(f"/proc/{daemon.proc.pid}/stat").read_text().split()
+    before = int(busy[13]) + int(busy[14])
+    time.sleep(1.0)  # a walker left behind would use this second of CPU
+    busy = Path(f"/proc/{daemon.proc.pid}/stat").read_text().split()
+    assert int(busy[13]) + int(busy[14]) - before < 50, "the daemon is still busy after the clients left"
+
+
 def test_hdf5_glob_matching_a_fifo_is_refused(stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path) -> None:
     write_rows(tmp_path / "a.h5", np.arange(6, dtype="<i4").reshape(3, 2))
     os.mkfifo(tmp_path / "b.h5")

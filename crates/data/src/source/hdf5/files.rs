@@ -145,7 +145,7 @@ impl OpenFiles {
 /// closes it again (a dataset may have more files than descriptors). Runs
 /// with the rights of whoever asked for the dataset ([`fsaccess::with_rights`]).
 pub fn check_files(spec: &Hdf5Spec, allowed_roots: Option<&[PathBuf]>) -> Result<Vec<fsaccess::Checked>, SourceError> {
-    let paths = expand(&spec.files, allowed_roots.is_some())?;
+    let paths = expand(&spec.files, allowed_roots)?;
     paths.iter().map(|p| Ok(fsaccess::open(p, allowed_roots, Want::File)?.close())).collect()
 }
 
@@ -169,20 +169,23 @@ pub(super) fn check_unchanged(file: &Hdf5File, handle: &OpenHdf5) -> Result<(), 
     Ok(())
 }
 
-pub(super) fn expand(pattern: &str, client: bool) -> Result<Vec<PathBuf>, SourceError> {
+pub(super) fn expand(pattern: &str, allowed_roots: Option<&[PathBuf]>) -> Result<Vec<PathBuf>, SourceError> {
+    let client = allowed_roots.is_some();
     let bad = |message: String| SourceError::BadGlob { pattern: pattern.to_string(), message };
-    let mut paths = Vec::new();
-    for entry in glob::glob(pattern).map_err(|e| bad(e.to_string()))? {
-        paths.push(entry.map_err(|e| bad(e.to_string()))?);
+    let (literal, rest) = super::glob::split(pattern).map_err(|e| bad(e.to_string()))?;
+    // The walk starts beneath an allowed root, checked before anything is listed.
+    if let Some(roots) = allowed_roots {
+        let canonical = literal.canonicalize().unwrap_or_else(|_| literal.clone());
+        if !roots.iter().any(|r| canonical.starts_with(r)) {
+            return Err(fsaccess::AccessError::NotAllowed { path: literal, roots: roots.to_vec() }.into());
+        }
     }
+    let mut paths = super::glob::matches(&literal, &rest).map_err(|e| bad(e.to_string()))?;
     // Directories are not data; anything else that matches is opened and
     // refused with a clear error if it is not a regular file (a FIFO).
     paths.retain(|p| !p.is_dir());
-    paths.sort();
     if paths.is_empty() {
-        let is_glob = |c: &std::path::Component<'_>| c.as_os_str().to_string_lossy().contains(['*', '?', '[']);
-        let literal: PathBuf = Path::new(pattern).components().take_while(|c| !is_glob(c)).collect();
-        if literal.as_os_str().len() == pattern.len() {
+        if rest.is_empty() {
             return Ok(vec![literal]);
         }
         if let Err(e) = std::fs::read_dir(&literal)

@@ -24,6 +24,7 @@
 pub(crate) mod field;
 mod files;
 mod geometry;
+mod glob;
 mod types;
 
 use files::*;
