@@ -174,6 +174,56 @@ def test_globs_are_bounded_walks_beneath_the_allowed_roots(
     assert int(busy[13]) + int(busy[14]) - before < 50, "the daemon is still busy after the clients left"
 
 
+def test_a_new_file_on_a_freed_inode_is_not_served_the_old_files_cache(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    """The chunk cache was keyed by (device, inode, size, mtime), all of which
+    a file's owner can match: a file created on a freed inode, truncated to
+    the old size and given the old mtime (`utimensat`) was served the deleted
+    file's decoded chunks. The status-change time, which only the kernel sets,
+    is part of a file's identity now."""
+    path = tmp_path / "d.h5"
+
+    def write(values: np.ndarray) -> None:
+        with h5py.File(path, "w") as f:
+            f.create_dataset("x", data=values, chunks=(8, 4), compression="gzip")
+
+    secret = np.arange(64 * 4, dtype="<i4").reshape(64, 4) + 1000
+    write(secret)
+    daemon = start_daemon(allowed_roots=[tmp_path], extra="[limits]\nidle_close_s = 0\n")
+    spec = stoker.hdf5(str(path), fields={"x": "x"})
+
+    def read() -> np.ndarray:
+        loader = stoker.Loader(spec, batch_size=16, shuffle=False, socket=daemon.socket, timeout=30)
+        out = np.concatenate([np.array(b["x"]) for b in loader])
+        loader.close()
+        return out
+
+    assert np.array_equal(read(), secret)
+    assert np.array_equal(read(), secret)  # served from the chunk cache now
+    before = os.stat(path)
+
+    def daemon_holds_it() -> bool:
+        fds = Path(f"/proc/{daemon.proc.pid}/fd")
+        return any(str(path) in os.readlink(fd) for fd in fds.iterdir() if fd.is_symlink())
+
+    deadline = time.monotonic() + 30
+    while daemon_holds_it():
+        assert time.monotonic() < deadline, "the daemon kept the file open"
+        time.sleep(0.05)
+    path.unlink()
+    write(np.zeros_like(secret))
+    after = os.stat(path)
+    if after.st_ino != before.st_ino:
+        pytest.skip("the file system did not hand the freed inode to the new file")
+    assert after.st_size <= before.st_size
+    os.truncate(path, before.st_size)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    again = os.stat(path)
+    assert (again.st_ino, again.st_size, again.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    assert np.array_equal(read(), np.zeros_like(secret)), "the new file was served the old file's cached chunks"
+
+
 def test_hdf5_glob_matching_a_fifo_is_refused(stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path) -> None:
     write_rows(tmp_path / "a.h5", np.arange(6, dtype="<i4").reshape(3, 2))
     os.mkfifo(tmp_path / "b.h5")

@@ -78,6 +78,11 @@ pub struct FileId {
     pub size: u64,
     /// Modification time, in nanoseconds since the epoch.
     pub mtime_ns: i128,
+    /// Status-change time, in nanoseconds since the epoch. Unlike the others
+    /// a file's owner cannot set it (the kernel stamps it on every change),
+    /// so a user's new file that reuses a freed inode and copies its size and
+    /// mtime is still another file to the caches.
+    pub ctime_ns: i128,
 }
 
 impl FileId {
@@ -92,10 +97,14 @@ impl FileId {
             ino: m.ino(),
             size: m.size(),
             mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
+            ctime_ns: i128::from(m.ctime()) * 1_000_000_000 + i128::from(m.ctime_nsec()),
         }
     }
 
-    /// How `now` differs from `self`; `None` when it does not.
+    /// How `now`'s contents may differ from `self`'s; `None` when they do
+    /// not. A status change alone (`chmod`, a new link: only `ctime_ns`
+    /// differs) is not a change of contents: a stream reading the file goes
+    /// on, while the caches, keyed by the whole identity, start afresh.
     pub fn change(&self, now: &FileId) -> Option<FileChange> {
         if (self.dev, self.ino) != (now.dev, now.ino) {
             Some(FileChange::Replaced)

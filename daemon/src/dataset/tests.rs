@@ -98,7 +98,10 @@ fn idle_sources_beyond_the_bound_are_closed_least_recently_used_first() {
 fn generation_fingerprints_keep_their_historical_values() {
     // Loader state saved by earlier versions compares against these: the
     // same files and keys must give the same values forever.
-    let ids = [FileId { dev: 1, ino: 2, size: 3, mtime_ns: 4 }, FileId { dev: 5, ino: 6, size: 7, mtime_ns: -8 }];
+    let ids = [
+        FileId { dev: 1, ino: 2, size: 3, mtime_ns: 4, ctime_ns: 9 },
+        FileId { dev: 5, ino: 6, size: 7, mtime_ns: -8, ctime_ns: 10 },
+    ];
     let paths = [Path::new("/data/a.h5"), Path::new("/data/b.h5")];
     assert_eq!(files_fingerprint(paths.into_iter(), &ids).finish(), 0xd00c_3904_2736_c92d);
     let keys: [&[u8]; 2] = [b"0001", b"0002"];
