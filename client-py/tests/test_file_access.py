@@ -224,6 +224,28 @@ def test_a_new_file_on_a_freed_inode_is_not_served_the_old_files_cache(
     assert np.array_equal(read(), np.zeros_like(secret)), "the new file was served the old file's cached chunks"
 
 
+def test_a_readers_exclusive_lock_does_not_lock_the_daemon_out(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Any user who can read a shared file could `flock(LOCK_EX)` it and make
+    every libhdf5 open of it fail ("unable to lock file, errno = 11"), for all
+    users and mid-epoch re-opens alike. The daemon opens HDF5 files without
+    libhdf5's file locking."""
+    import fcntl
+
+    path = tmp_path / "shared.h5"
+    write_rows(path, np.arange(16, dtype="<i4").reshape(8, 2))
+    daemon = start_daemon(allowed_roots=[tmp_path])
+    with open(path, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        loader = stoker.Loader(
+            stoker.hdf5(str(path), fields={"x": "x"}), batch_size=4, shuffle=False, socket=daemon.socket, timeout=30
+        )
+        x = np.concatenate([np.array(b["x"]) for b in loader])
+        loader.close()
+    assert np.array_equal(x, np.arange(16, dtype="<i4").reshape(8, 2))
+
+
 def test_hdf5_glob_matching_a_fifo_is_refused(stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path) -> None:
     write_rows(tmp_path / "a.h5", np.arange(6, dtype="<i4").reshape(3, 2))
     os.mkfifo(tmp_path / "b.h5")

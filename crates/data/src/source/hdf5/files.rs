@@ -213,8 +213,11 @@ pub(super) fn open_file(
     // libhdf5's default chunk cache is 1 MiB per dataset: reads of rows from a
     // few different chunks in turn (parallel fills) would decompress whole
     // chunks again for every row on the libhdf5 path. 16 MiB per dataset.
+    // No file locking: any reader of a shared file could take an exclusive
+    // `flock` and make every open of it fail; a file changing under a stream
+    // is caught by its identity checks instead.
     let h5 = hdf5::File::with_options()
-        .with_fapl(|fapl| fapl.chunk_cache(4093, 16 << 20, 0.75))
+        .with_fapl(|fapl| fapl.chunk_cache(4093, 16 << 20, 0.75).file_locking(false))
         .open(fsaccess::fd_path(&raw))
         .map_err(|e| SourceError::Open { path: path.to_owned(), message: e.to_string() })?;
     let mut specs = Vec::with_capacity(spec.fields.len());
