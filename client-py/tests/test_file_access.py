@@ -549,6 +549,55 @@ def test_hdf5_files_cannot_lead_the_daemon_outside_the_allowed_roots(
         assert "999" not in res.stdout
 
 
+HOLDER = r"""
+import os, socket, sys
+uid, gid, path, n = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+os.setgroups([])
+os.setgid(gid)
+os.setuid(uid)
+held = []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    held.append(s)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_connections_of_a_refused_uid_cannot_pile_up(other_user: tuple[int, int, int]) -> None:
+    """A uid that is not allowed (socket 0666, as the docs prescribe with
+    allowed_uids) opened connections in a loop: each was held while the daemon
+    waited to tell it why, until the daemon ran out of descriptors and root
+    could not get in. Refusals being told are bounded; the rest are closed."""
+    uid, gid, _ = other_user
+    with _root_daemon_and_files(uid + 54321) as (public, _secret, d):
+        fds = Path(f"/proc/{d.proc.pid}/fd")
+        before = len(list(fds.iterdir()))
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(uid), str(gid), d.socket, "600"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+            # Let the daemon accept them all; those beyond the bound are closed
+            # at once (the old daemon held each for frame_timeout_s, 10 s).
+            deadline = time.monotonic() + 5
+            while True:
+                held = len(list(fds.iterdir())) - before
+                if held <= 100 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            assert held <= 100, f"the daemon holds {held} descriptors for refused connections"
+            # Root is served meanwhile.
+            res = run_as(0, 0, [0], d.socket, str(public / "p.h5"))
+            assert res == {"ok": np.arange(8).reshape(4, 2).tolist()}, res
+        finally:
+            holder.kill()
+            holder.wait()
+        assert d.alive()
+
+
 def test_hdf5_files_cannot_read_another_users_files_through_the_daemon(
     stoker: Any, other_user: tuple[int, int, int]
 ) -> None:

@@ -59,7 +59,7 @@ pub(super) async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: 
             "uid {uid} is not allowed to use this daemon; the admin can add it to [server] allowed_uids \
              (or its group to allowed_gids)"
         );
-        refuse(sock, WireError::new(ErrorKind::PermissionDenied, msg), settings.frame_timeout).await;
+        refuse_bounded(&daemon, sock, WireError::new(ErrorKind::PermissionDenied, msg), settings.frame_timeout).await;
         return;
     }
     let _admission = match daemon.admit(uid) {
@@ -68,7 +68,8 @@ pub(super) async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: 
             if let Some(suppressed) = lock(&daemon.refusals).allow() {
                 tracing::warn!(uid, pid, suppressed, "refused: {full}");
             }
-            refuse(sock, WireError::new(ErrorKind::Limit, full.to_string()), settings.frame_timeout).await;
+            refuse_bounded(&daemon, sock, WireError::new(ErrorKind::Limit, full.to_string()), settings.frame_timeout)
+                .await;
             return;
         }
     };

@@ -64,6 +64,9 @@ pub struct Daemon {
     /// refused peer reconnecting in a loop must not flood the log.
     refusals: Mutex<Throttle>,
     next_id: AtomicU64,
+    /// Refused connections being told why (each waits up to `frame_timeout_s`
+    /// for the peer's first message); beyond [`MAX_REFUSING`] they are closed at once.
+    refusing: Arc<std::sync::atomic::AtomicUsize>,
     own_uid: u32,
     metrics: crate::metrics::Metrics,
     /// Shared memory all streams may hold: `[limits] max_memory_bytes` less the caches.
@@ -118,6 +121,7 @@ impl Daemon {
             admitted: Mutex::new((0, HashMap::new())),
             refusals: Mutex::new(Throttle::default()),
             next_id: AtomicU64::new(1),
+            refusing: Arc::default(),
             own_uid: rustix::process::getuid().as_raw(),
             metrics: crate::metrics::Metrics::default(),
             memory,
@@ -289,6 +293,29 @@ pub async fn run(
 
 /// Answers a connection that will not be served with one error, after
 /// reading its first message (so the reply is not lost to a reset), then closes it.
+/// Refused connections told why at once; more are closed unanswered, so a
+/// peer that is not allowed cannot hold the daemon's descriptors (each told
+/// connection waits up to `frame_timeout_s` for the peer's first message).
+const MAX_REFUSING: usize = 64;
+
+/// Tells a refused peer why (within [`MAX_REFUSING`] at a time) and closes.
+async fn refuse_bounded(daemon: &Daemon, sock: UnixStream, error: WireError, wait: Duration) {
+    use std::sync::atomic::Ordering::{AcqRel, Acquire};
+    let taken = daemon.refusing.fetch_update(AcqRel, Acquire, |n| (n < MAX_REFUSING).then_some(n + 1));
+    if taken.is_err() {
+        return; // dropped: closed unanswered
+    }
+    /// Gives the place back however the refusal ends (a shutdown drops it).
+    struct Place<'a>(&'a std::sync::atomic::AtomicUsize);
+    impl Drop for Place<'_> {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        }
+    }
+    let _place = Place(&daemon.refusing);
+    refuse(sock, error, wait).await;
+}
+
 async fn refuse(mut sock: UnixStream, error: WireError, wait: Duration) {
     let mut first = [0u8; 4096];
     let _ = tokio::time::timeout(wait, sock.read(&mut first)).await;
