@@ -4,7 +4,7 @@
 //! deserialize into [`Hdf5Dataset`], and [`Hdf5Dataset::problems`] is its one
 //! check, so the three entry points accept and refuse the same things.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 
 use serde::de::{MapAccess, Visitor};
@@ -106,8 +106,10 @@ impl<'de> Deserialize<'de> for FieldPaths {
 
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<FieldPaths, A::Error> {
                 let mut pairs: Vec<(String, String)> = Vec::new();
+                // A set, not a scan of `pairs`: a request may hold a million names.
+                let mut seen = HashSet::new();
                 while let Some((name, path)) = map.next_entry::<String, String>()? {
-                    if pairs.iter().any(|(n, _)| *n == name) {
+                    if !seen.insert(name.clone()) {
                         return Err(serde::de::Error::custom(format!("field {name:?} is given twice")));
                     }
                     // Bounded by the message (or file) the entries come from.
@@ -240,6 +242,8 @@ impl Hdf5Dataset {
     /// check shared by the config, the wire and Python. Empty when valid.
     pub fn problems(&self) -> Vec<Hdf5Problem> {
         let mut out = Vec::new();
+        // Looked up once per listed name: a request may list a million.
+        let fields: HashSet<&str> = self.fields.0.iter().map(|(n, _)| n.as_str()).collect();
         let mut problem = |key: &'static str, message: String| out.push(Hdf5Problem { key, message });
         if !self.files.starts_with('/') {
             problem("files", format!("files = {:?} must be an absolute path or glob", self.files));
@@ -253,11 +257,11 @@ impl Hdf5Dataset {
             ("constant", &self.constant),
             ("time_only", &self.time_only),
         ] {
-            if let Some(unknown) = names.iter().find(|f| !self.fields.contains(f)) {
+            if let Some(unknown) = names.iter().find(|f| !fields.contains(f.as_str())) {
                 problem(key, format!("{key} names {unknown:?}, which is not in fields"));
             }
         }
-        if let Some(unknown) = self.per_item.iter().find(|f| !self.fields.contains(f)) {
+        if let Some(unknown) = self.per_item.iter().find(|f| !fields.contains(f.as_str())) {
             problem("per_item", format!("per_item names {unknown:?}, which is not in fields"));
         } else if !self.per_item.is_empty() && self.window.is_none() {
             problem(
@@ -270,6 +274,11 @@ impl Hdf5Dataset {
         if (!self.input.is_empty() || !self.output.is_empty() || !self.time_only.is_empty()) && self.window.is_none() {
             problem("window", "input, output and time_only fields take a window's steps; give a window".into());
         }
+        let mut seen = HashSet::new();
+        if let Some((dup, _)) = self.fields.0.iter().find(|(n, _)| !seen.insert(n.as_str())) {
+            // Deserializing refuses these already; a description built in code is checked here.
+            problem("fields", format!("field {dup:?} is given twice"));
+        }
         if self.fields.is_empty() {
             problem(
                 "fields",
@@ -281,7 +290,7 @@ impl Hdf5Dataset {
             ("pair", self.pair.keys().collect()),
             ("spatial_axes", self.spatial_axes.keys().collect()),
         ] {
-            let unknown: Vec<&String> = names.into_iter().filter(|f| !self.fields.contains(f)).collect();
+            let unknown: Vec<&String> = names.into_iter().filter(|f| !fields.contains(f.as_str())).collect();
             if !unknown.is_empty() {
                 problem(key, format!("{key} names unknown fields {unknown:?}, which are not in fields"));
             }
@@ -320,5 +329,33 @@ impl Hdf5Dataset {
                 spatial_axes: self.spatial_axes.get(name).copied(),
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_field_named_twice_is_refused_however_the_description_is_made() {
+        let json = r#"{"files": "/d/*.h5", "fields": {"x": "a", "x": "b"}}"#;
+        let err = serde_json::from_str::<Hdf5Dataset>(json).unwrap_err().to_string();
+        assert!(err.contains("\"x\" is given twice"), "{err}");
+        let built = Hdf5Dataset::new("/d/*.h5", [("x".into(), "a".into()), ("x".into(), "b".into())]);
+        let problems = built.problems();
+        assert!(problems.iter().any(|p| p.key == "fields" && p.message.contains("given twice")), "{problems:?}");
+    }
+
+    #[test]
+    fn every_list_naming_an_unknown_field_is_a_problem_and_a_good_one_has_none() {
+        let mut ds = Hdf5Dataset::new("/d/*.h5", [("x".into(), "a".into())]);
+        assert_eq!(ds.problems(), []);
+        ds.window = Some(WindowDef { size: Some(2), ..Default::default() });
+        ds.per_item = vec!["y".into()];
+        ds.time_only = vec!["z".into()];
+        let keys: Vec<&str> = ds.problems().iter().map(|p| p.key).collect();
+        assert_eq!(keys, ["time_only", "per_item"]);
+        ds.files = "relative/*.h5".into();
+        assert_eq!(ds.problems()[0].key, "files");
     }
 }

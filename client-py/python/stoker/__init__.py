@@ -21,17 +21,11 @@ garbage-collected, so copy what you want to hold on to for long.
 # `_errors` (exception classes), `_cli` (the wheel's console command) and the
 # Rust extension `_native`. This file only re-exports.
 
+from . import _errors
 from ._cli import daemon_binary
-from ._errors import (
-    AccessDenied,
-    DaemonUnavailable,
-    DatasetError,
-    DeviceUnavailable,
-    LimitError,
-    ProtocolError,
-    StokerError,
-    Timeout,
-)
+
+# The exception classes, each named once: in `_errors.__all__`.
+from ._errors import *  # noqa: F403
 from ._iterators import Batch as Batch
 from ._loader import (
     DEFAULT_BLOCK_WINDOW as DEFAULT_BLOCK_WINDOW,
@@ -50,16 +44,8 @@ __all__ = [
     "LmdbSpec",
     "hdf5",
     "lmdb",
-    # _errors.__all__
-    "StokerError",
-    "DaemonUnavailable",
-    "DatasetError",
-    "ProtocolError",
-    "LimitError",
-    "AccessDenied",
-    "Timeout",
-    "DeviceUnavailable",
     "__version__",
     "daemon_binary",
     "TRANSFORM_STEPS",
 ]
+__all__ += _errors.__all__

@@ -326,9 +326,6 @@ impl Datasets {
             },
             DatasetRef::Hdf5(ds) => {
                 self.check_ad_hoc()?;
-                if let Some(dup) = duplicate(ds.fields.0.iter().map(|(n, _)| n.as_str())) {
-                    return Err(WireError::new(ErrorKind::Dataset, format!("field {dup:?} is given twice")));
-                }
                 if let Some(p) = ds.problems().into_iter().next() {
                     return Err(WireError::new(
                         ErrorKind::Dataset,

@@ -106,6 +106,14 @@ pub enum SourceError {
         /// The glob.
         pattern: String,
     },
+    /// Matching the glob passed a bound (depth, entries, matches or time).
+    #[error("glob {pattern:?} is too broad: {message}")]
+    GlobTooBroad {
+        /// The glob.
+        pattern: String,
+        /// Which bound.
+        message: String,
+    },
     /// The glob is malformed.
     #[error("invalid glob {pattern:?}: {message}")]
     BadGlob {

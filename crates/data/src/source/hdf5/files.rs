@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 
 use self::field::FieldReader;
+use super::glob::GlobError;
 use crate::fsaccess::{self, ChangedError, FileId, Want};
 use crate::source::{FieldSpec, SourceError};
 
@@ -171,16 +172,23 @@ pub(super) fn check_unchanged(file: &Hdf5File, handle: &OpenHdf5) -> Result<(), 
 
 pub(super) fn expand(pattern: &str, allowed_roots: Option<&[PathBuf]>) -> Result<Vec<PathBuf>, SourceError> {
     let client = allowed_roots.is_some();
-    let bad = |message: String| SourceError::BadGlob { pattern: pattern.to_string(), message };
-    let (literal, rest) = super::glob::split(pattern).map_err(|e| bad(e.to_string()))?;
-    // The walk starts beneath an allowed root, checked before anything is listed.
+    let bad = |e: GlobError| match e {
+        GlobError::Bound { .. } => SourceError::GlobTooBroad { pattern: pattern.to_string(), message: e.to_string() },
+        _ => SourceError::BadGlob { pattern: pattern.to_string(), message: e.to_string() },
+    };
+    let (literal, rest) = super::glob::split(pattern).map_err(bad)?;
+    // The walk starts beneath an allowed root, checked (resolved: no `..` or
+    // symlink leads out) before anything is listed.
+    let mut walk = true;
     if let Some(roots) = allowed_roots {
-        let canonical = literal.canonicalize().unwrap_or_else(|_| literal.clone());
-        if !roots.iter().any(|r| canonical.starts_with(r)) {
-            return Err(fsaccess::AccessError::NotAllowed { path: literal, roots: roots.to_vec() }.into());
+        match literal.canonicalize() {
+            Ok(canonical) if roots.iter().any(|r| canonical.starts_with(r)) => {}
+            Ok(_) => return Err(fsaccess::AccessError::NotAllowed { path: literal, roots: roots.to_vec() }.into()),
+            // Missing, or closed to the client: nothing to list; said below.
+            Err(_) => walk = false,
         }
     }
-    let mut paths = super::glob::matches(&literal, &rest).map_err(|e| bad(e.to_string()))?;
+    let mut paths = if walk { super::glob::matches(&literal, &rest).map_err(bad)? } else { Vec::new() };
     // Directories are not data; anything else that matches is opened and
     // refused with a clear error if it is not a regular file (a FIFO).
     paths.retain(|p| !p.is_dir());

@@ -2,6 +2,8 @@
 //! window steps, constant), the window geometry and The Well's step spacing,
 //! and the messages that say what to change when a window does not fit.
 
+use std::collections::{HashMap, HashSet};
+
 use crate::source::{SampleRef, SourceError};
 
 use super::*;
@@ -138,7 +140,8 @@ pub(super) fn roles(spec: &Hdf5Spec) -> Result<(Vec<Role>, Option<Geometry>), So
     }
     if !roles.iter().any(|r| r.has_item_axis()) {
         return Err(spec_error(
-            "every field is constant or time_only; at least one field needs the item axis that samples are              indexed by"
+            "every field is constant or time_only; at least one field needs the item axis that samples are \
+             indexed by"
                 .into(),
         ));
     }
@@ -157,23 +160,27 @@ fn check_role_lists(spec: &Hdf5Spec) -> Result<(), SourceError> {
     let s = &spec.sampling;
     let lists: [(&str, &[String]); 4] =
         [("per_item", &spec.per_item), ("constant", &s.constant), ("input", &s.input), ("output", &s.output)];
-    for (i, (list, names)) in lists.iter().enumerate() {
-        for name in names.iter() {
-            if !spec.fields.iter().any(|(n, _)| n == name) {
+    // Sets, not scans: a request may list a million names (the frame bounds the total).
+    let fields: HashSet<&str> = spec.fields.iter().map(|(n, _)| n.as_str()).collect();
+    let mut role_of: HashMap<&str, &str> = HashMap::new();
+    for (list, names) in lists {
+        for name in names {
+            if !fields.contains(name.as_str()) {
                 return Err(spec_error(format!("{list} names {name:?}, which is not one of the fields")));
             }
-            if let Some((other, _)) = lists[..i].iter().find(|(_, names)| names.contains(name)) {
+            if let Some(other) = role_of.insert(name, list).filter(|other| *other != list) {
                 return Err(spec_error(format!("field {name:?} is in both {other} and {list}; a field has one role")));
             }
         }
     }
     for name in &s.time_only {
-        if !spec.fields.iter().any(|(n, _)| n == name) {
+        if !fields.contains(name.as_str()) {
             return Err(spec_error(format!("time_only names {name:?}, which is not one of the fields")));
         }
-        if let Some((other, _)) = lists[..2].iter().find(|(_, names)| names.contains(name)) {
+        if let Some(other) = role_of.get(name.as_str()).filter(|r| matches!(**r, "per_item" | "constant")) {
             return Err(spec_error(format!(
-                "field {name:?} is in both {other} and time_only; a time_only field takes the window's steps                  (it may also be in input or output)"
+                "field {name:?} is in both {other} and time_only; a time_only field takes the window's steps \
+                 (it may also be in input or output)"
             )));
         }
         if spec.window.is_none() {
@@ -241,24 +248,32 @@ fn window_split(spec: &Hdf5Spec, geometry: Option<Geometry>) -> Result<(u64, u64
     Ok((size, n_in))
 }
 
+/// The names of a role list, for lookups by field.
+fn name_set(names: &[String]) -> HashSet<&str> {
+    names.iter().map(String::as_str).collect()
+}
+
 /// Each field's role, from the checked lists and split: constant, per item
 /// (every field without a window), or steps of the window of `size` steps
 /// (the first `n_in` for input fields, the rest for output fields).
 fn assign_roles(spec: &Hdf5Spec, windowed: bool, size: u64, n_in: u64) -> Vec<Role> {
     let s = &spec.sampling;
     let n_out = size - n_in;
+    let (constant, per_item, time_only) = (name_set(&s.constant), name_set(&spec.per_item), name_set(&s.time_only));
+    let (input, output) = (name_set(&s.input), name_set(&s.output));
     spec.fields
         .iter()
         .map(|(n, _)| {
-            if s.constant.contains(n) {
+            let n = n.as_str();
+            if constant.contains(n) {
                 Role::Constant
-            } else if !windowed || spec.per_item.contains(n) {
+            } else if !windowed || per_item.contains(n) {
                 Role::Item
             } else {
-                let item_axis = !s.time_only.contains(n);
-                if s.input.contains(n) {
+                let item_axis = !time_only.contains(n);
+                if input.contains(n) {
                     Role::Steps { from: 0, count: n_in, item_axis }
-                } else if s.output.contains(n) {
+                } else if output.contains(n) {
                     Role::Steps { from: n_in, count: n_out, item_axis }
                 } else {
                     Role::Steps { from: 0, count: size, item_axis }

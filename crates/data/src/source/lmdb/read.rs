@@ -404,8 +404,20 @@ impl LmdbSource {
                 apply(dst, transform)?;
             }
             LmdbOut::Variable { bytes, shape } => {
+                let len = out_shape
+                    .iter()
+                    .try_fold(out_dtype.size() as u64, |n, &d| n.checked_mul(d))
+                    .filter(|&n| n <= self.max_value_bytes)
+                    .and_then(|n| usize::try_from(n).ok())
+                    .ok_or_else(|| {
+                        err(format!(
+                            "value {info} transforms to {out_dtype} {out_shape:?}, more than [limits] \
+                             max_sample_bytes = {} bytes; use smaller sizes in the field's transforms",
+                            self.max_value_bytes
+                        ))
+                    })?;
                 bytes.clear();
-                bytes.resize(out_shape.iter().product::<u64>() as usize * out_dtype.size(), 0);
+                bytes.resize(len, 0);
                 apply(bytes, transform)?;
                 shape.clone_from(&out_shape);
             }
