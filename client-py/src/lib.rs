@@ -199,6 +199,12 @@ impl NativeStream {
         self.stream.mapping_range()
     }
 
+    /// `(address, length)` of a shared read-only view of the same ring
+    /// (mapped on first call): what the GPU upload registers.
+    fn shared_range(&self) -> PyResult<(usize, usize)> {
+        self.stream.shared_range().map_err(pyo3::exceptions::PyOSError::new_err)
+    }
+
     /// Repositions the stream at (`epoch`, `step`).
     #[pyo3(signature = (epoch, step, timeout=None))]
     fn set_epoch(&self, py: Python<'_>, epoch: u64, step: u64, timeout: Option<f64>) -> PyResult<()> {

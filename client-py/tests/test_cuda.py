@@ -113,6 +113,49 @@ def test_cuda_batches_equal_the_cpu_batches_byte_for_byte(start_daemon, stoker, 
     loader.close()
 
 
+def _private_pages(start: int, length: int) -> int:
+    """Present pages of `[start, start + length)` that are this process's
+    private copies (/proc/self/pagemap: bit 63 present, bit 61 file/shared)."""
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(8 * (start // 4096))
+        entries = np.frombuffer(f.read(8 * ((length + 4095) // 4096)), dtype=np.uint64)
+    present = (entries >> np.uint64(63)) & np.uint64(1)
+    shared = (entries >> np.uint64(61)) & np.uint64(1)
+    return int((present & (np.uint64(1) - shared)).sum())
+
+
+@needs_gpu
+def test_registered_uploads_see_every_batch_of_a_reused_slot(start_daemon, stoker, tmp_path) -> None:
+    """Slots of many pages, reused many times: the registered upload must read
+    the daemon's current pages. (Registering the private mapping pinned
+    private copies of the first batches: every batch from the ring's depth on
+    came out stale, on an H100, while the tiny default dataset passed.)"""
+    import h5py
+
+    rows, row_bytes, batch, depth = 96, 16384, 8, 4
+    ref = np.random.default_rng(5).integers(0, 255, (rows, row_bytes), dtype=np.uint8)
+    with h5py.File(tmp_path / "big.h5", "w") as h:
+        h["x"] = ref
+    d = start_daemon(depth=depth)
+    loader = stoker.Loader(stoker.hdf5(str(tmp_path / "big.h5"), fields={"x": "x"}), batch_size=batch,
+                           shuffle=False, socket=d.socket, output="torch", device="cuda:0")
+    from stoker import _cuda
+
+    loader._uploader = _cuda.Uploader("cuda:0", mode="registered")
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        stale = []
+        for i, b in enumerate(loader):
+            if not np.array_equal(b["x"].cpu().numpy(), ref[i * batch:(i + 1) * batch]):
+                stale.append(i)
+            del b
+        assert not stale, f"epoch {epoch}: batches {stale} differ from the file (of {rows // batch})"
+    assert loader._uploader.mode == "registered"
+    # Registration left the copy-on-write mapping alone: no page of it became private.
+    assert _private_pages(*loader._mapping_range()) == 0
+    loader.close()
+
+
 @needs_gpu
 def test_the_ring_is_registered_once_and_unregistered_at_close(start_daemon, stoker, data) -> None:
     d = start_daemon(depth=4)

@@ -10,11 +10,16 @@
 //! [`CudaError::NoDriver`] where `libcuda` is absent. This module holds every
 //! CUDA `unsafe` block of the client.
 //!
-//! Why never a writable registration: the ring is mapped `MAP_PRIVATE`, and
-//! pinning a private mapping for writing makes the kernel break
-//! copy-on-write, pinning this process's private copies of every page; the
-//! GPU would then read those copies for ever after, never the daemon's later
-//! batches. A read-only pin pins the shared (memfd) pages themselves.
+//! What is registered: not the ring's `MAP_PRIVATE` mapping that batches are
+//! read through, but a second, shared read-only view of the same memfd
+//! ([`Mapping::shared_view`]), and copies read the field's bytes at the same
+//! offset there. Pinning any range of a private (copy-on-write) mapping,
+//! even read-only, makes the kernel break copy-on-write first: every page
+//! becomes this process's private copy of what the slot held at
+//! registration, and the GPU would read those copies for ever after, never
+//! the daemon's later batches (found on an H100: every batch from the
+//! ring's depth on was stale). A pin of a shared read-only mapping holds the
+//! memfd's own pages, which the daemon fills for every batch.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -289,7 +294,9 @@ impl Uploader {
         let in_ring = batch.lease.slot < batch.lease.shared.depth;
         // Extra segments are unmapped when their lease drops: they are never
         // registered (registration would have to end before that), only staged.
-        let registered = in_ring && self.mode == UploadMode::Registered && self.register(&batch.lease.mapping)?;
+        let view =
+            if in_ring && self.mode == UploadMode::Registered { self.register(&batch.lease.mapping)? } else { None };
+        let registered = view.is_some();
         let mut fields = Vec::with_capacity(batch.layout().fields.len());
         let mut staged: Option<Staging> = None;
         if !registered {
@@ -317,7 +324,16 @@ impl Uploader {
                 Some(s) => unsafe {
                     std::slice::from_raw_parts(s.buf.as_ptr().map_err(driver("staging"))?.add(at), len)
                 },
-                None => f.bytes(),
+                // The same bytes in the registered shared view (see `register`).
+                None => {
+                    let (private, shared) = view.expect("registered when not staged");
+                    let offset = f.bytes().as_ptr() as usize - private;
+                    // SAFETY: the field lies inside its slot, inside the private
+                    // mapping that starts at `private`; the view maps the same
+                    // file at the same offsets with the same length, and the
+                    // registration keeps it mapped.
+                    unsafe { std::slice::from_raw_parts((shared + offset) as *const u8, len) }
+                }
             };
             if len > 0 {
                 let (dst, _record) = data.device_ptr_mut(&self.stream);
@@ -354,17 +370,23 @@ impl Uploader {
         Ok(DeviceBatch { fields, epoch, step, rows, pending: HeldUntil::new(event, hold) })
     }
 
-    /// Registers `mapping` once; `false` (and staging from now on) when the
+    /// Registers the shared read-only view of `mapping` once (see
+    /// [`Mapping::shared_view`]) and returns `(private start, view start)`;
+    /// `None` (and staging from now on) when it cannot be mapped or the
     /// driver refuses.
-    fn register(&mut self, mapping: &Arc<Mapping>) -> Result<bool, CudaError> {
-        if self.registered.iter().any(|r| Arc::ptr_eq(&r.mapping, mapping)) {
-            return Ok(true);
+    fn register(&mut self, mapping: &Arc<Mapping>) -> Result<Option<(usize, usize)>, CudaError> {
+        if let Some(r) = self.registered.iter().find(|r| Arc::ptr_eq(&r.mapping, mapping)) {
+            return Ok(Some((mapping.range().0, r.ptr)));
         }
-        let (ptr, len) = mapping.range();
-        // SAFETY: `[ptr, ptr + len)` is the whole live mapping, kept alive by
-        // the Registration below until it unregisters. READ_ONLY: the device
-        // only reads it and the kernel pins the shared pages without breaking
-        // copy-on-write (see the module docs).
+        let Ok((ptr, len)) = mapping.shared_view() else {
+            self.mode = UploadMode::Staging;
+            return Ok(None);
+        };
+        // SAFETY: `[ptr, ptr + len)` is the whole shared read-only view, kept
+        // alive by the Registration below (which holds the mapping) until it
+        // unregisters. READ_ONLY: the device only reads it; the view is
+        // shared, so the pin holds the memfd's own pages, which the daemon
+        // writes for every batch (see the module docs).
         let r = unsafe {
             sys::cuMemHostRegister_v2(
                 ptr as *mut std::ffi::c_void,
@@ -374,10 +396,10 @@ impl Uploader {
         };
         if r != sys::CUresult::CUDA_SUCCESS {
             self.mode = UploadMode::Staging;
-            return Ok(false);
+            return Ok(None);
         }
         self.registered.push(Registration { ptr, mapping: mapping.clone() });
-        Ok(true)
+        Ok(Some((mapping.range().0, ptr)))
     }
 
     /// Unregisters segments no stream or batch uses any more (only the

@@ -339,6 +339,15 @@ impl Stream {
         self.mapping.range()
     }
 
+    /// Address range `(start, len)` of a shared, read-only view of the same
+    /// ring, mapped on first call: what a GPU upload registers with the
+    /// driver (a pin of the copy-on-write mapping would pin stale private
+    /// copies; see `docs/gpu.md`). A field at `p` in [`Stream::mapping_range`]
+    /// lies at `p - start + shared_start` here.
+    pub fn shared_range(&self) -> std::result::Result<(usize, usize), String> {
+        self.mapping.shared_view()
+    }
+
     /// Moves the stream to `epoch`, resuming at batch `step`.
     pub fn set_epoch(&self, epoch: u64, step: u64) -> Result<()> {
         self.set_epoch_interruptible(epoch, step, &mut || false)

@@ -15,7 +15,9 @@ use std::os::fd::OwnedFd;
 
 use std::mem::ManuallyDrop;
 
-use memmap2::{Advice, MmapMut, MmapOptions, UncheckedAdvice};
+use std::sync::OnceLock;
+
+use memmap2::{Advice, Mmap, MmapMut, MmapOptions, UncheckedAdvice};
 use rustix::fs::SealFlags;
 use stoker_proto::ctrl::{CTRL_BYTES, Control};
 use stoker_proto::{BatchLayout, DType, RingError, RingHeader};
@@ -33,6 +35,11 @@ pub(crate) struct Mapping {
     /// through a shared borrow of the (mutable) mapping.
     base: *mut u8,
     layout: BatchLayout,
+    /// The memfd, for [`Mapping::shared_view`].
+    file: File,
+    /// A shared, read-only view of the same pages, mapped on first use (the
+    /// GPU upload registers it); `Err` holds why it could not be mapped.
+    shared: OnceLock<std::result::Result<ManuallyDrop<Mmap>, String>>,
 }
 
 impl Mapping {
@@ -58,7 +65,14 @@ impl Mapping {
             ring_error(RingError::TooShort { len: map.len() as u64, depth, slot_bytes: layout.slot_bytes, need: None })
         })?;
         header.check(layout, depth).map_err(ring_error)?;
-        Ok(Mapping { map: ManuallyDrop::new(map), owner: std::process::id(), base, layout: layout.clone() })
+        Ok(Mapping {
+            map: ManuallyDrop::new(map),
+            owner: std::process::id(),
+            base,
+            layout: layout.clone(),
+            file,
+            shared: OnceLock::new(),
+        })
     }
 
     pub(crate) fn layout(&self) -> &BatchLayout {
@@ -67,6 +81,35 @@ impl Mapping {
 
     pub(crate) fn range(&self) -> (usize, usize) {
         (self.map.as_ptr() as usize, self.map.len())
+    }
+
+    /// `(address, length)` of a shared, read-only view of the segment: the
+    /// daemon's pages themselves, at the same offsets as in [`Mapping::range`].
+    ///
+    /// This, not the private mapping, is what may be pinned for the GPU.
+    /// Pinning a range of a private (copy-on-write) mapping makes the kernel
+    /// break copy-on-write first, even for a read-only pin: each page becomes
+    /// a private copy of what the slot held at registration, and the device
+    /// would read those stale copies for every later batch in the slot (seen
+    /// on an H100, kernel 6.18: every batch from the `depth`-th on was stale).
+    /// A shared read-only mapping has no copy-on-write to break (the memfd's
+    /// `F_SEAL_FUTURE_WRITE` allows it, and no write access), so the pin holds
+    /// the very pages the daemon fills.
+    pub(crate) fn shared_view(&self) -> std::result::Result<(usize, usize), String> {
+        let view = self.shared.get_or_init(|| {
+            // SAFETY: the memfd is sealed against shrinking (checked in
+            // `new`), so the view never extends past the file; it is
+            // read-only, and read only by the device through a registration
+            // that its owner (this mapping) outlives.
+            let map = unsafe { MmapOptions::new().len(self.map.len()).map(&self.file) }
+                .map_err(|e| format!("cannot map the ring shared and read-only: {e}"))?;
+            let _ = map.advise(Advice::DontFork);
+            Ok(ManuallyDrop::new(map))
+        });
+        match view {
+            Ok(map) => Ok((map.as_ptr() as usize, map.len())),
+            Err(e) => Err(e.clone()),
+        }
     }
 
     /// `len` bytes at `offset` inside `slot`.
@@ -180,6 +223,11 @@ impl Drop for Mapping {
             // SAFETY: dropped once, here; no slice of it outlives the
             // mapping (leases and batches hold an `Arc` of it).
             unsafe { ManuallyDrop::drop(&mut self.map) };
+            if let Some(Ok(view)) = self.shared.get_mut() {
+                // SAFETY: as above; a registration of the view holds this
+                // mapping (`Arc`) and unregisters before letting go.
+                unsafe { ManuallyDrop::drop(view) };
+            }
         }
     }
 }
@@ -340,6 +388,41 @@ mod tests {
         assert!(map.slot_bytes(1, layout.slot_bytes, 0).is_empty());
         // An extra segment: one slot.
         Mapping::new(good(&layout, 1), &layout, 1).unwrap();
+    }
+
+    #[test]
+    fn the_shared_view_shows_the_daemons_pages_at_the_same_offsets() {
+        let layout = layout();
+        let fd = rustix::fs::memfd_create("view-test", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+        let file = File::from(fd);
+        file.set_len(layout.ring_bytes(2)).unwrap();
+        // The daemon's writable mapping, made before the seal (as the daemon does).
+        // SAFETY: a memfd of this test, never shrunk.
+        let mut daemon = unsafe { MmapMut::map_mut(&file) }.unwrap();
+        daemon[..RingHeader::BYTES].copy_from_slice(&RingHeader::new(&layout, 2).to_bytes());
+        let seals = SealFlags::SHRINK | SealFlags::GROW | SealFlags::FUTURE_WRITE | SealFlags::SEAL;
+        rustix::fs::fcntl_add_seals(&file, seals).unwrap();
+        let map = Mapping::new(OwnedFd::from(file.try_clone().unwrap()), &layout, 2).unwrap();
+        let (private, len) = map.range();
+        let (view, view_len) = map.shared_view().unwrap();
+        assert_eq!(view_len, len);
+        assert_eq!(map.shared_view().unwrap().0, view, "mapped once");
+        let at = layout.slot_offset(1) as usize + layout.fields[0].offset as usize;
+        // SAFETY: `at` lies inside both mappings, which `map` keeps alive.
+        let read_view = || unsafe { *((view + at) as *const u8) };
+        // SAFETY: as above.
+        let read_private = || unsafe { *((private + at) as *const u8) };
+        daemon[at] = 7;
+        assert_eq!((read_private(), read_view()), (7, 7));
+        // A private write (copy-on-write) stays private; the view keeps the daemon's byte.
+        // SAFETY: the slot is not read elsewhere; the private mapping is writable.
+        unsafe { *((private + at) as *mut u8) = 9 };
+        assert_eq!((read_private(), read_view()), (9, 7));
+        map.discard(1);
+        daemon[at] = 11;
+        assert_eq!((read_private(), read_view()), (11, 11));
+        // The view's page is the file's, never a private copy.
+        assert!(!has_private_pages(view + at, 1));
     }
 
     #[test]

@@ -1,11 +1,16 @@
 """``Loader(..., output="torch", device="cuda:N")``: batches copied to a GPU straight from the ring.
 
-The stream's ring is registered once with the CUDA driver (read-only: the ring
-is mapped copy-on-write, and a writable pin would make the kernel pin private
-copies of its pages, so the GPU would stop seeing the daemon's later batches).
-Each batch is copied with ``tensor.to(device, non_blocking=True)`` on a side
-stream, an event is recorded after the copies, and the batch's slot is kept
-until that event completed. The caller's current stream waits on the event
+The stream's ring is registered once with the CUDA driver, read-only, through
+a second, shared read-only view of the ring (``shared_range()``), and copies
+read each array's bytes at the same offset in that view. Batches themselves
+are arrays of the copy-on-write (private) mapping, and pinning a private
+mapping, even read-only, makes the kernel break copy-on-write first: the GPU
+would read private copies of what the slots held at registration, never the
+daemon's later batches (every batch from the ring's depth on was stale when
+the private mapping was registered on an H100). Each batch is copied with
+``tensor.to(device, non_blocking=True)`` on a side stream, an event is
+recorded after the copies, and the batch's slot is kept until that event
+completed. The caller's current stream waits on the event
 (``wait_event``) and each tensor is tied to it (``record_stream``), so no
 synchronisation is needed in the training loop. Where the device cannot
 register memory read-only, and for the rare extra segments (which are unmapped
@@ -151,9 +156,10 @@ class Uploader:
         if mode == "registered" and not self.driver.read_only_supported:
             raise DeviceUnavailable(f"{device} cannot register host memory read-only (mode='registered')")
         self.mode = "staging" if mode == "staging" or not self.driver.read_only_supported else "registered"
-        #: ring start → (length, the native stream that owns the mapping: kept
-        #: alive, so the ring cannot be unmapped while registered).
-        self.registered: Dict[int, Tuple[int, Any]] = {}
+        #: ring start (its private mapping) → (length, the native stream that
+        #: owns the mapping: kept alive, so the ring cannot be unmapped while
+        #: registered, the start of the registered shared read-only view).
+        self.registered: Dict[int, Tuple[int, Any, int]] = {}
         #: (event, what must live until it completed: a batch's arrays, i.e. its lease).
         self.inflight: Deque[Tuple[Any, Any]] = collections.deque()
         #: (pinned uint8 buffer, event of the last copy that read it).
@@ -163,32 +169,37 @@ class Uploader:
 
     # -- registration ------------------------------------------------------
 
-    def _registered_ring(self, native: Any) -> Optional[Tuple[int, int]]:
-        """The registered range of `native`'s ring, registering it now if need be."""
+    def _registered_ring(self, native: Any) -> Optional[Tuple[int, int, int]]:
+        """``(start, length, view)`` of `native`'s ring: its private mapping's
+        range and the start of its registered shared view, registering it now
+        if need be."""
         if self.mode != "registered":
             return None
         start, length = native.mapping_range()
         have = self.registered.get(start)
         if have is not None and have[1] is native:
-            return start, length
+            return start, length, have[2]
         self._drop_stale(keep=native)
-        code = self.driver.register_read_only(start, length)
+        try:
+            view, view_length = native.shared_range()
+        except OSError:
+            view, view_length = 0, 0
+        code = self.driver.register_read_only(view, view_length) if view_length == length else -1
         if code != 0:
             # Not supported after all (or refused): stage from now on.
             self.last_register_error = code
             self.mode = "staging"
             return None
-        self.registered[start] = (length, native)
-        return start, length
+        self.registered[start] = (length, native, view)
+        return start, length, view
 
     def _drop_stale(self, keep: Any) -> None:
         """Unregisters rings of streams other than `keep` (a reconnect replaced them)."""
-        stale = [s for s, (_, owner) in self.registered.items() if owner is not keep]
+        stale = [s for s, (_, owner, _) in self.registered.items() if owner is not keep]
         if stale:
             self.synchronize()
             for start in stale:
-                self.driver.unregister(start)
-                del self.registered[start]
+                self.driver.unregister(self.registered.pop(start)[2])
 
     # -- uploads -----------------------------------------------------------
 
@@ -208,10 +219,11 @@ class Uploader:
         for value in batch.values():
             parts.extend(value if isinstance(value, list) else [value])
         ring = self._registered_ring(native)
-        direct = ring is not None and all(_inside(a, *ring) for a in parts)
+        direct = ring is not None and all(_inside(a, ring[0], ring[1]) for a in parts)
         with torch.cuda.stream(self.stream):
-            if direct:
-                copies = [torch.from_numpy(a).to(self.device, non_blocking=True) for a in parts]
+            if direct and ring is not None:
+                start, view = ring[0], ring[2]
+                copies = [torch.from_numpy(_in_view(a, start, view)).to(self.device, non_blocking=True) for a in parts]
                 hold: Any = batch
             else:
                 copies = self._staged(parts)
@@ -276,8 +288,8 @@ class Uploader:
         if self._closed:
             return
         self.synchronize()
-        for start in list(self.registered):
-            self.driver.unregister(start)
+        for _, _, view in self.registered.values():
+            self.driver.unregister(view)
         self.registered.clear()
         self.driver.release()
         self._closed = True
@@ -287,6 +299,14 @@ class Uploader:
             self.close()
         except Exception:
             pass
+
+
+def _in_view(a: np.ndarray, start: int, view: int) -> np.ndarray:
+    """The same bytes as `a` (a contiguous array in the private mapping at
+    `start`) in the shared view at `view`: what the registration pinned."""
+    ptr = a.__array_interface__["data"][0]
+    raw = np.ctypeslib.as_array((ctypes.c_uint8 * a.nbytes).from_address(view + ptr - start))
+    return raw.view(a.dtype).reshape(a.shape)
 
 
 def _inside(a: np.ndarray, start: int, length: int) -> bool:
