@@ -385,7 +385,7 @@ def run_as(
 
 
 @contextlib.contextmanager
-def _root_daemon_and_files(uid: int) -> Iterator[tuple[Path, Path, Daemon]]:
+def _root_daemon_and_files(uid: int, extra: str = "") -> Iterator[tuple[Path, Path, Daemon]]:
     """A daemon running as root that serves `uid` too (socket open to all,
     allowed root `base`), with `base/public/p.h5` (0..7) readable by all and
     `base/secret/s.h5` (999s) readable by root only: `(public, secret, daemon)`."""
@@ -404,7 +404,7 @@ def _root_daemon_and_files(uid: int) -> Iterator[tuple[Path, Path, Daemon]]:
         os.chmod(secret / "s.h5", 0o600)
         config = make_config(str(workdir / "stoker.sock"), allowed_roots=[base])
         config = config.replace("[server]\n", f"[server]\nallowed_uids = [{uid}]\n", 1)
-        d = Daemon(workdir, config + "\n[limits]\nidle_close_s = 0\n")
+        d = Daemon(workdir, config + "\n[limits]\nidle_close_s = 0\n" + extra)
         os.chmod(d.socket, 0o777)
         yield public, secret, d
     finally:
@@ -746,3 +746,42 @@ def test_many_files_under_a_low_descriptor_limit(
     assert peak <= bound, f"{peak} descriptors open under {root} (bound {bound})"
     assert len(fd_targets(daemon.proc.pid)) < 1024
     assert "EMFILE" not in daemon.stderr() and "Too many open files" not in daemon.stderr()
+
+
+def test_a_users_hdf5_helper_runs_as_that_user_and_their_crafted_file_harms_nobody_else(
+    stoker: Any, other_user: tuple[int, int, int]
+) -> None:
+    """Finding 1 of issue 22, as a real second user: a crafted file that
+    crashes libhdf5 (chunk dimensions (16, 8388612), read through the library
+    path) kills that user's helper only; root's stream on another file goes
+    on, the daemon lives, and the user's helper ran with the user's uid."""
+    from test_hdf5_helpers import helpers_of, write_crafted
+
+    uid, gid, extra_gid = other_user
+    with _root_daemon_and_files(uid, extra="[hdf5]\nfast_path = false\n") as (public, secret, d):
+        mine = public.parent / "mine"
+        mine.mkdir(mode=0o755)
+        os.chown(mine, uid, gid)
+        write_crafted(mine / "crafted.h5")
+        os.chown(mine / "crafted.h5", uid, gid)
+        loader = stoker.Loader(stoker.hdf5(str(public / "p.h5"), fields={"x": "x"}), batch_size=1, shuffle=False,
+                               socket=d.socket, timeout=60, reconnect=0)
+        it = iter(loader)
+        first = next(it)["x"].copy()
+        # The user's ad-hoc files are read by a helper running as the user.
+        got = run_as(uid, gid, [extra_gid], d.socket, str(public / "p.h5"))
+        assert got.get("ok") == np.arange(8).reshape(4, 2).tolist(), got
+        uids = {}
+        for pid in helpers_of(d.proc.pid):
+            status = Path(f"/proc/{pid}/status").read_text()
+            uids[pid] = [line.split()[1:] for line in status.splitlines() if line.startswith(("Uid:", "Gid:"))]
+        assert [[str(uid)] * 4, [str(gid)] * 4] in uids.values(), uids
+        # The attack: libhdf5 crashes on the user's file (this daemon reads
+        # everything through libhdf5; a fast path that declines a file does too).
+        got = run_as(uid, gid, [extra_gid], d.socket, str(mine / "crafted.h5"))
+        assert got.get("error") == "DatasetError", got
+        assert "crafted.h5" in got["message"] and "crashed" in got["message"], got
+        assert d.alive(), d.stderr()
+        rest = [first] + [b["x"].copy() for b in it]
+        assert np.array_equal(np.concatenate(rest), np.arange(8).reshape(4, 2))
+        loader.close()

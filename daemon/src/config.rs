@@ -194,11 +194,18 @@ pub struct Hdf5Config {
     /// the worker threads; `false` reads everything through libhdf5 (one
     /// thread at a time, under its global lock).
     pub fast_path: bool,
+    /// Seconds one request to an HDF5 helper process (an open, a chunk
+    /// lookup, a library read) may take before the helper is killed and the
+    /// request fails.
+    pub helper_timeout_s: f64,
+    /// Address space of one HDF5 helper process (one per user with open
+    /// ad-hoc HDF5 datasets, one for named datasets); 0 = unbounded.
+    pub helper_memory_bytes: u64,
 }
 
 impl Default for Hdf5Config {
     fn default() -> Self {
-        Hdf5Config { fast_path: true }
+        Hdf5Config { fast_path: true, helper_timeout_s: 60.0, helper_memory_bytes: 8 << 30 }
     }
 }
 
@@ -269,6 +276,8 @@ pub struct Settings {
     pub cache_policy: stoker_data::cache::Policy,
     /// HDF5 fast path on or off.
     pub hdf5_fast_path: bool,
+    /// How HDF5 helper processes run.
+    pub helper_limits: crate::helper::HelperLimits,
     /// Named datasets.
     pub datasets: BTreeMap<String, DatasetConfig>,
     /// Where metrics are served, if anywhere.
@@ -461,6 +470,18 @@ impl Config {
         };
         let frame_timeout = seconds("frame_timeout_s", self.server.frame_timeout_s);
         let shutdown_grace = seconds("shutdown_grace_s", self.server.shutdown_grace_s);
+        let helper_timeout = if self.hdf5.helper_timeout_s.is_finite()
+            && self.hdf5.helper_timeout_s > 0.0
+            && self.hdf5.helper_timeout_s <= 3600.0
+        {
+            std::time::Duration::from_secs_f64(self.hdf5.helper_timeout_s)
+        } else {
+            problem(
+                &["hdf5", "helper_timeout_s"],
+                format!("[hdf5] helper_timeout_s = {} must be between 0 and 3600 seconds", self.hdf5.helper_timeout_s),
+            );
+            std::time::Duration::ZERO
+        };
         if limits.max_connections == 0 || limits.max_connections_per_uid == 0 {
             let key = if limits.max_connections == 0 { "max_connections" } else { "max_connections_per_uid" };
             problem(&["limits", key], "[limits] max_connections and max_connections_per_uid must be at least 1".into());
@@ -504,6 +525,10 @@ impl Config {
             sample_cache_bytes: sample_bytes,
             cache_policy: self.cache.policy,
             hdf5_fast_path: self.hdf5.fast_path,
+            helper_limits: crate::helper::HelperLimits {
+                timeout: helper_timeout,
+                memory_bytes: self.hdf5.helper_memory_bytes,
+            },
             datasets: self.datasets,
             metrics_listen,
         })

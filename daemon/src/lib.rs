@@ -13,6 +13,7 @@ pub mod cli;
 pub mod config;
 pub mod dataset;
 pub mod error;
+pub mod helper;
 pub mod metrics;
 #[allow(unsafe_code)] // maps the rings' memfds and hands out slot slices
 pub mod ring;

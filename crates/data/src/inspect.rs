@@ -10,9 +10,9 @@ use std::path::{Path, PathBuf};
 use hdf5::datatype::ByteOrder;
 use hdf5::{LinkType, LocationType};
 
-use crate::cache::CacheCtx;
 use crate::source::hdf5::classify;
-use crate::source::hdf5::field::{FieldReader, NotOwn, open_own_dataset};
+use crate::source::hdf5::field::library::{FactsError, field_facts};
+use crate::source::hdf5::field::{NotOwn, open_own_dataset};
 
 /// One dataset of the file, as inspected.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -65,10 +65,9 @@ pub enum InspectError {
 /// Inspects every dataset of the file at `path`.
 pub fn inspect(path: &Path) -> Result<Vec<DatasetReport>, InspectError> {
     let file = hdf5::File::open(path).map_err(|error| InspectError::Open { path: path.to_owned(), error })?;
-    let cache = CacheCtx::disabled();
     let mut out = Vec::new();
     let mut seen = Vec::new();
-    visit(&file, "", &cache, &mut seen, &mut out)?;
+    visit(&file, "", &mut seen, &mut out)?;
     Ok(out)
 }
 
@@ -81,7 +80,6 @@ const MAX_GROUP_DEPTH: usize = 64;
 fn visit(
     group: &hdf5::Group,
     prefix: &str,
-    cache: &CacheCtx,
     seen: &mut Vec<(u64, hdf5::LocationToken)>,
     out: &mut Vec<DatasetReport>,
 ) -> Result<(), InspectError> {
@@ -106,10 +104,10 @@ fn visit(
             continue;
         }
         match group.loc_type_by_name(&name) {
-            Ok(LocationType::Group) => visit(&group.group(&name)?, &path, cache, seen, out)?,
+            Ok(LocationType::Group) => visit(&group.group(&name)?, &path, seen, out)?,
             Ok(LocationType::Dataset) => out.push(match open_own_dataset(group, &name) {
-                Ok(dataset) => report(dataset, path, cache),
-                Err(NotOwn::Missing) => report(group.dataset(&name)?, path, cache),
+                Ok(dataset) => report(dataset, path),
+                Err(NotOwn::Missing) => report(group.dataset(&name)?, path),
                 // A soft link through an external one lands here too.
                 Err(why) => not_own(path, &why),
             }),
@@ -139,7 +137,7 @@ fn not_own(path: String, why: &NotOwn) -> DatasetReport {
     }
 }
 
-fn report(dataset: hdf5::Dataset, path: String, cache: &CacheCtx) -> DatasetReport {
+fn report(dataset: hdf5::Dataset, path: String) -> DatasetReport {
     let shape: Vec<u64> = dataset.shape().iter().map(|&d| d as u64).collect();
     let layout = format!("{:?}", dataset.layout()).to_lowercase();
     let chunks = dataset.chunk().map(|c| c.iter().map(|&d| d as u64).collect());
@@ -170,13 +168,10 @@ fn report(dataset: hdf5::Dataset, path: String, cache: &CacheCtx) -> DatasetRepo
     }
     .to_string();
     let (dtype, servable, read_path) = match classify(&file_type) {
-        Ok((dtype, descriptor)) if !shape.is_empty() => {
-            let read_path = match crate::source::hdf5::mem_type(&file_type, &descriptor) {
-                Ok(mem) => match FieldReader::new(dataset, dtype, &file_type, mem, cache.dataset, true) {
-                    Ok(reader) => reader.layout.describe(),
-                    Err(e) => format!("cannot read: {e}"),
-                },
-                Err(e) => format!("cannot read: {e}"),
+        Ok((dtype, _)) if !shape.is_empty() => {
+            let read_path = match field_facts(&dataset, true) {
+                Ok((facts, _)) => facts.layout.describe(),
+                Err(FactsError::Dtype(found) | FactsError::Other(found)) => format!("cannot read: {found}"),
             };
             (dtype.to_string(), true, read_path)
         }

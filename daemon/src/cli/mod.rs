@@ -102,6 +102,14 @@ enum Command {
         #[command(subcommand)]
         action: CacheAction,
     },
+    /// (Internal) An HDF5 helper process, started by the daemon: runs libhdf5
+    /// on the files it is passed over the socket at descriptor FD.
+    #[command(hide = true, name = "hdf5-helper")]
+    Hdf5Helper {
+        /// The socket shared with the daemon.
+        #[arg(long)]
+        fd: i32,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -158,5 +166,10 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Status { target, json, watch, wait } => status::run(&target, json, watch, wait),
         Command::Cache { action } => cache::run(action),
         Command::Datasets { target, json } => datasets::run(&target, json),
+        Command::Hdf5Helper { fd } => {
+            let sock = crate::helper::serve::socket(fd)?;
+            crate::helper::serve::run(sock)?;
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }

@@ -4,6 +4,7 @@
 //! checks as [`super::Datasets`], serving nothing.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use stoker_data::fsaccess::{self, Want};
 use stoker_data::source::SourceError;
@@ -57,7 +58,8 @@ fn check_hdf5(config: &Config, ds: &Hdf5Dataset) -> Option<(Vec<String>, String)
     };
     let opened = hdf5::check_files(&spec, None).and_then(|files| {
         let cache = stoker_data::cache::CacheCtx::disabled();
-        let source = Hdf5Source::open(&spec, files, cache, OpenFiles::new(config.limits.max_open_files))?;
+        let limit = OpenFiles::new(config.limits.max_open_files);
+        let source = Hdf5Source::open(&spec, files, cache, limit, Arc::new(hdf5::LocalOpener))?;
         if chains.is_empty() {
             return Ok(());
         }

@@ -20,6 +20,7 @@ use stoker_proto::{DatasetInfo, DatasetRef, DatasetStatus, ErrorKind, Generation
 
 use crate::config::{DatasetConfig, Settings};
 use crate::error::WireError;
+use crate::helper::Helpers;
 use stoker_data::cache::{CacheCtx, Caches};
 use stoker_data::fsaccess::{self, FileId, Peer, Rights, Want};
 use stoker_data::source::hdf5::{self, Hdf5Source, Hdf5Spec, OpenFiles};
@@ -70,6 +71,8 @@ pub struct Datasets {
     open_files: Arc<OpenFiles>,
     /// Keyed by the resolved description.
     open: Arc<Registry>,
+    /// Where libhdf5 runs: a helper process per trust domain.
+    helpers: Arc<Helpers>,
 }
 
 /// A dataset as the sources open it: also the registry's key and, with its
@@ -118,7 +121,15 @@ impl Datasets {
         if let Err(e) = spawned {
             tracing::warn!(error = %e, "cannot start the idle-close thread: idle datasets stay open");
         }
-        Datasets { settings: RwLock::new(Arc::new(settings)), caches, open_files, open }
+        // The crate's own unit tests are not the `stoker` binary: they run
+        // libhdf5 in their process (the end-to-end tests run real helpers).
+        let helpers = if cfg!(test) { Helpers::in_process() } else { Helpers::new(settings.helper_limits) };
+        Datasets { settings: RwLock::new(Arc::new(settings)), caches, open_files, open, helpers }
+    }
+
+    /// HDF5 helper processes running, and helper deaths so far.
+    pub fn helper_counts(&self) -> (usize, u64) {
+        self.helpers.counts()
     }
 
     /// Uses `settings` for datasets opened from now on (limits such as
@@ -144,7 +155,12 @@ impl Datasets {
         let settings = self.settings();
         match &mut resolved {
             Resolved::Lmdb(spec) => spec.max_value_bytes = settings.limits.max_sample_bytes,
-            Resolved::Hdf5(spec, _) => spec.max_chunk_bytes = settings.limits.max_sample_bytes,
+            Resolved::Hdf5(spec, _) => {
+                spec.max_chunk_bytes = settings.limits.max_sample_bytes;
+                // A client's files are read by that client's helper, and what it
+                // says is cached for that client only.
+                spec.domain = (!matches!(dataset, DatasetRef::Named(_))).then_some(peer.uid);
+            }
         }
         let key = resolved.clone();
         let rights = match dataset {
@@ -191,8 +207,10 @@ impl Datasets {
         };
         let source: Arc<dyn Source> = match (resolved, files) {
             (Resolved::Hdf5(spec, chains), Files::Hdf5(files)) => {
-                let source: Arc<dyn Source> =
-                    Arc::new(Hdf5Source::open(&spec, files, cache, self.open_files.clone()).map_err(WireError::from)?);
+                let opener = self.helpers.opener(spec.domain.is_some().then_some(peer));
+                let source: Arc<dyn Source> = Arc::new(
+                    Hdf5Source::open(&spec, files, cache, self.open_files.clone(), opener).map_err(WireError::from)?,
+                );
                 if chains.is_empty() {
                     source
                 } else {

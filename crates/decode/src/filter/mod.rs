@@ -55,7 +55,7 @@ pub mod id {
 }
 
 /// One entry of a dataset's filter pipeline as `H5Pget_filter2` reports it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct FilterSpec {
     /// Registered filter id (see [`id`]).
     pub id: u32,

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 
 use self::field::FieldReader;
+use self::field::library::{FieldFacts, Hdf5Opener, LayoutFacts, ProbeError};
 use super::glob::GlobError;
 use crate::fsaccess::{self, ChangedError, FileId, Want};
 use crate::source::{FieldSpec, SourceError};
@@ -24,8 +25,6 @@ pub(super) struct Hdf5File {
     pub(super) root: Option<PathBuf>,
     /// Its identity when the dataset was opened.
     pub(super) id: FileId,
-    /// Chunk-cache ids of its fields, kept across reopens.
-    pub(super) cache_ids: Vec<u64>,
     /// Samples per item (1 without a window).
     pub(super) windows: u64,
     /// Steps along axis 1 of its windowed fields (0 without a window).
@@ -52,11 +51,9 @@ pub(super) fn now_us() -> u64 {
     u64::try_from(EPOCH.elapsed().as_micros()).unwrap_or(u64::MAX).max(1)
 }
 
-/// The handles of an open file.
+/// The handles of an open file (its readers hold libhdf5's view of it).
 #[derive(Debug)]
 pub(super) struct OpenHdf5 {
-    /// Keeps the HDF5 file open while the readers use it.
-    _h5: hdf5::File,
     pub(super) raw: File,
     pub(super) fields: Vec<FieldReader>,
 }
@@ -206,55 +203,69 @@ pub(super) fn expand(pattern: &str, allowed_roots: Option<&[PathBuf]>) -> Result
     Ok(paths)
 }
 
-/// Opens `raw` (the checked file at `path`) with libhdf5 and builds its
-/// readers: the handles, the field specs, the items, and the steps along
-/// axis 1 of the windowed fields (0 without a window). A window longer than
-/// those steps is refused, naming the file and field.
+/// Opens `raw` (the checked file at `path`, of identity `id`) with libhdf5
+/// through `opener` and builds its readers from the facts it reports: the
+/// handles, the field specs, the items, and the steps along axis 1 of the
+/// windowed fields (0 without a window). A window longer than those steps is
+/// refused, naming the file and field. The facts come from a helper process:
+/// every number is checked here ([`FieldReader::from_facts`], [`check_sizes`])
+/// before a byte is read.
 pub(super) fn open_file(
     path: &Path,
+    id: &FileId,
     raw: File,
     spec: &Hdf5Spec,
     roles: &[Role],
     geometry: Option<&Geometry>,
-    cache_ids: &[u64],
+    opener: &dyn Hdf5Opener,
 ) -> Result<(OpenHdf5, Vec<FieldSpec>, u64, u64), SourceError> {
-    // libhdf5's default chunk cache is 1 MiB per dataset: reads of rows from a
-    // few different chunks in turn (parallel fills) would decompress whole
-    // chunks again for every row on the libhdf5 path. 16 MiB per dataset.
-    // No file locking: any reader of a shared file could take an exclusive
-    // `flock` and make every open of it fail; a file changing under a stream
-    // is caught by its identity checks instead.
-    let h5 = hdf5::File::with_options()
-        .with_fapl(|fapl| fapl.chunk_cache(4093, 16 << 20, 0.75).file_locking(false))
-        .open(fsaccess::fd_path(&raw))
-        .map_err(|e| SourceError::Open { path: path.to_owned(), message: e.to_string() })?;
+    let h5paths: Vec<String> = spec.fields.iter().map(|(_, h5path)| h5path.clone()).collect();
+    let named = |field: usize| {
+        let (name, h5path) = spec.fields.get(field).cloned().unwrap_or_default();
+        (name, h5path)
+    };
+    let (facts, lib) = opener.open(&raw, &h5paths, spec.fast_path).map_err(|e| match e {
+        ProbeError::Open(message) | ProbeError::Helper(message) => SourceError::Open { path: path.to_owned(), message },
+        ProbeError::Missing { field } => {
+            let (field, h5path) = named(field);
+            SourceError::MissingField { path: path.to_owned(), field, h5path }
+        }
+        ProbeError::Dtype { field, found } => {
+            let (field, h5path) = named(field);
+            SourceError::Dtype { path: path.to_owned(), field, h5path, found }
+        }
+        ProbeError::Field { field, message } => {
+            let (field, h5path) = named(field);
+            SourceError::Inconsistent { path: path.to_owned(), field, h5path, message }
+        }
+    })?;
+    if facts.len() != spec.fields.len() {
+        return Err(SourceError::Open {
+            path: path.to_owned(),
+            message: format!(
+                "the HDF5 helper described {} fields, not the {} asked for",
+                facts.len(),
+                spec.fields.len()
+            ),
+        });
+    }
     let mut specs = Vec::with_capacity(spec.fields.len());
     let mut readers = Vec::with_capacity(spec.fields.len());
     // (length, field name) of the first field along axis 0, and along axis 1 for windowed fields.
     let mut lengths = Lengths::default();
-    for (((name, h5path), &role), &cache_id) in spec.fields.iter().zip(roles).zip(cache_ids) {
+    for (index, (((name, h5path), &role), facts)) in spec.fields.iter().zip(roles).zip(&facts).enumerate() {
         let at = FieldAt { path, name, h5path };
-        let dataset = field::open_own_dataset(&h5, h5path).map_err(|why| match why.explain() {
-            Some(message) => at.error(message),
-            None => SourceError::MissingField { path: path.to_owned(), field: name.clone(), h5path: h5path.clone() },
-        })?;
-        let shape: Vec<u64> = dataset.shape().iter().map(|&d| d as u64).collect();
-        let sample_shape = sample_shape(&at, role, &shape, geometry, spec.sampling.n_steps_input, &mut lengths)?;
-        let file_type = dataset.dtype().map_err(|e| at.error(e.to_string()))?;
-        let (dtype, descriptor) = classify(&file_type).map_err(|found| SourceError::Dtype {
-            path: path.to_owned(),
-            field: name.clone(),
-            h5path: h5path.clone(),
-            found: found.to_string(),
-        })?;
-        check_sizes(&at, &dataset, dtype, &shape, &sample_shape, spec.max_chunk_bytes)?;
-        let mem_type = mem_type(&file_type, &descriptor).map_err(|e| at.error(e.to_string()))?;
-        let reader = FieldReader::new(dataset, dtype, &file_type, mem_type, cache_id, spec.fast_path)
-            .map_err(|e| at.error(e.to_string()))?;
+        let sample_shape = sample_shape(&at, role, &facts.shape, geometry, spec.sampling.n_steps_input, &mut lengths)?;
+        check_sizes(&at, facts, &sample_shape, spec.max_chunk_bytes)?;
+        // Chunks are keyed by what they are: this file's identity, the field's
+        // HDF5 path, how it is stored and decoded, and whose helper said so
+        // (a user's helper speaks only for that user's datasets).
+        let cache_id = crate::cache::space_id(id, h5path, &(spec.domain, facts.dtype, &facts.chunk, &facts.layout));
+        let reader = FieldReader::from_facts(facts, index, lib.clone(), cache_id).map_err(|e| at.error(e))?;
         specs.push(FieldSpec {
             name: name.clone(),
             origin: h5path.clone(),
-            dtype,
+            dtype: facts.dtype,
             shape: sample_shape,
             max_sample_bytes: None,
         });
@@ -265,7 +276,7 @@ pub(super) fn open_file(
         Some((time, ..)) => time,
         None => 0,
     };
-    Ok((OpenHdf5 { _h5: h5, raw, fields: readers }, specs, items, steps))
+    Ok((OpenHdf5 { raw, fields: readers }, specs, items, steps))
 }
 
 /// A field of a file, for its errors.
@@ -363,18 +374,17 @@ fn sample_shape<'a>(
     })
 }
 
-/// Refuses a field whose offsets or sample size (of `dtype`, dataset shape
-/// `shape`, sample shape `sample_shape`) do not fit in 64 bits (and in
+/// Refuses a field whose offsets or sample size (of its dtype and dataset
+/// shape, sample shape `sample_shape`) do not fit in 64 bits (and in
 /// memory), or whose compressed chunks decode to more than `max_chunk_bytes`.
 fn check_sizes(
     at: &FieldAt<'_>,
-    dataset: &hdf5::Dataset,
-    dtype: stoker_proto::DType,
-    shape: &[u64],
+    facts: &FieldFacts,
     sample_shape: &[u64],
     max_chunk_bytes: u64,
 ) -> Result<(), SourceError> {
     let FieldAt { path, name, h5path } = at;
+    let (dtype, shape) = (facts.dtype, &facts.shape);
     // Offsets into the dataset and the sample's size must fit in 64 bits
     // (and in memory) before any of them is computed.
     let sample_bytes = sample_shape.iter().try_fold(dtype.size() as u64, |acc: u64, &d| acc.checked_mul(d));
@@ -391,10 +401,18 @@ fn check_sizes(
             path.display()
         )));
     }
-    if let Some(bytes) = field::decoded_chunk_bytes(dataset, dtype.size())
+    // Any read of a filtered chunk decodes it whole (here or in the helper):
+    // its decoded size, from the chunk shape, is bounded before any read.
+    let decoded = match &facts.layout {
+        LayoutFacts::Chunked { chunk, filters, .. } if !filters.is_empty() => {
+            Some(chunk.iter().try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d)).unwrap_or(u64::MAX))
+        }
+        _ => None,
+    };
+    if let Some(bytes) = decoded.max(facts.decoded_chunk_bytes)
         && bytes > max_chunk_bytes
     {
-        let chunk = dataset.chunk().unwrap_or_default();
+        let chunk = facts.chunk.clone().unwrap_or_default();
         return Err(SourceError::Limit(format!(
             "{}: field {name:?} ({h5path:?}) is stored in compressed chunks of {chunk:?} {dtype}, {bytes} bytes each \
              decoded, more than [limits] max_sample_bytes = {max_chunk_bytes} bytes; every read decodes a whole \

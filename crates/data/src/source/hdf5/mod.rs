@@ -12,10 +12,14 @@
 //! larger). `constant` fields have no item axis: every sample of a file gets
 //! the whole dataset. `Geometry` holds that index math, checked at open.
 //!
-//! Files arrive opened by handle ([`crate::fsaccess`]); libhdf5 opens the
-//! same inode through `/proc/self/fd/N`. Metadata comes from libhdf5 at open;
-//! data is read by `field::FieldReader` (pread and Rust decoders where it
-//! can, libhdf5 where it must). At most [`OpenFiles`]' bound of files stay
+//! Files arrive opened by handle ([`crate::fsaccess`]). libhdf5 runs where
+//! an [`Hdf5Opener`] puts it: in the daemon, an HDF5 helper process of the
+//! dataset's trust domain, which opens the same inode (the descriptor is
+//! passed to it) and answers with plain facts (shape, type, layout, chunk
+//! locations) and, for the fields only libhdf5 reads, the bytes. The facts
+//! are checked before use; data is read by `field::FieldReader` (pread and
+//! Rust decoders in this process where it can, the helper's libhdf5 where it
+//! must). At most [`OpenFiles`]' bound of files stay
 //! open across all datasets: the least recently read are closed and opened
 //! again on their next read, after checking they are still the same file.
 //! A file that changes while served fails its reads with an error naming it.
@@ -27,11 +31,15 @@ mod geometry;
 mod glob;
 mod types;
 
+pub use field::library::{
+    FieldFacts, Hdf5Opener, LayoutFacts, LibFile, LocalFile, LocalOpener, Location, ProbeError, probe,
+};
+pub use field::{FieldError, StoredChunk};
 use files::*;
 pub use files::{OpenFiles, check_files};
 use geometry::*;
 use types::*;
-pub(crate) use types::{classify, field_filters, mem_type};
+pub(crate) use types::{classify, field_filters};
 
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, PoisonError, RwLock};
@@ -72,6 +80,11 @@ pub struct Hdf5Spec {
     /// max_sample_bytes`): any read of such a field decodes its chunk whole,
     /// so a small file could otherwise make every worker allocate 4 GiB.
     pub max_chunk_bytes: u64,
+    /// Whose trust domain reads the files: `Some(uid)` for a client's ad-hoc
+    /// dataset (that user's HDF5 helper), `None` for a dataset named in the
+    /// config. Part of the chunk cache's keys: what one user's helper says
+    /// about a file is never served to another user.
+    pub domain: Option<u32>,
 }
 
 impl Hdf5Spec {
@@ -87,6 +100,7 @@ impl Hdf5Spec {
             fast_path,
             sampling: ds.sampling(),
             max_chunk_bytes: u64::MAX,
+            domain: None,
         }
     }
 }
@@ -105,16 +119,20 @@ pub struct Hdf5Source {
     starts: Vec<u64>,
     cache: CacheCtx,
     limit: Arc<OpenFiles>,
+    /// Where libhdf5 runs (opens and reopens).
+    opener: Arc<dyn Hdf5Opener>,
 }
 
 impl Hdf5Source {
     /// Opens the dataset over `opened`, the files of the spec's glob from
-    /// [`check_files`], in order; each must still be the file checked.
+    /// [`check_files`], in order (each must still be the file checked), with
+    /// libhdf5 where `opener` runs it.
     pub fn open(
         spec: &Hdf5Spec,
         opened: Vec<fsaccess::Checked>,
         cache: CacheCtx,
         limit: Arc<OpenFiles>,
+        opener: Arc<dyn Hdf5Opener>,
     ) -> Result<Hdf5Source, SourceError> {
         let pattern = &spec.files;
         let (roles, geometry) = roles(spec).map_err(|e| match e {
@@ -130,9 +148,6 @@ impl Hdf5Source {
         let mut starts = vec![0u64];
         let mut read_paths = ReadPaths::default();
         for checked in opened {
-            // Chunks are keyed by what they are: this file's identity and the field's HDF5 path.
-            let cache_ids: Vec<u64> =
-                spec.fields.iter().map(|(_, h5path)| crate::cache::space_id(&checked.id, h5path, &())).collect();
             let raw = fsaccess::reopen_same(&checked.canonical, checked.root.as_deref(), &checked.id)
                 .map_err(|problem| SourceError::Changed { path: checked.path.clone(), problem })?;
             // libhdf5 shares one open of a file (by device and inode) among its
@@ -140,7 +155,7 @@ impl Hdf5Source {
             // hand us its stale metadata.
             limit.close_changed(&checked.id);
             let (handle, file_specs, items, steps) =
-                open_file(&checked.path, raw, spec, &roles, geometry.as_ref(), &cache_ids)?;
+                open_file(&checked.path, &checked.id, raw, spec, &roles, geometry.as_ref(), opener.as_ref())?;
             let windows = geometry.map_or(1, |g| g.windows(steps));
             match &specs {
                 None => {
@@ -165,7 +180,6 @@ impl Hdf5Source {
                 canonical: checked.canonical,
                 root: checked.root,
                 id: checked.id,
-                cache_ids,
                 windows: windows.max(1),
                 steps,
                 handle: RwLock::new(Some(Arc::new(handle))),
@@ -189,7 +203,7 @@ impl Hdf5Source {
             return Err(SourceError::Empty { pattern: pattern.to_string() });
         }
         read_paths.log(pattern, cache.caches.chunks.capacity() as u64);
-        Ok(Hdf5Source { spec: spec.clone(), fields, roles, geometry, files, starts, cache, limit })
+        Ok(Hdf5Source { spec: spec.clone(), fields, roles, geometry, files, starts, cache, limit, opener })
     }
 
     /// The file's handles, opening it again if it was closed to bound open
@@ -205,8 +219,15 @@ impl Hdf5Source {
             return Ok(handle.clone());
         }
         let raw = fsaccess::reopen_same(&file.canonical, file.root.as_deref(), &file.id).map_err(changed)?;
-        let (handle, ..) =
-            open_file(&file.path, raw, &self.spec, &self.roles, self.geometry.as_ref(), &file.cache_ids)?;
+        let (handle, ..) = open_file(
+            &file.path,
+            &file.id,
+            raw,
+            &self.spec,
+            &self.roles,
+            self.geometry.as_ref(),
+            self.opener.as_ref(),
+        )?;
         let handle = Arc::new(handle);
         *slot = Some(handle.clone());
         drop(slot);
@@ -292,6 +313,29 @@ impl Source for Hdf5Source {
     }
 
     fn read_sample(&self, sample: SampleRef, out: &mut [FieldOut<'_>]) -> Result<(), SourceError> {
+        // The helper that had the file open may have been restarted (another
+        // file of the domain crashed it, perhaps again meanwhile): the file is
+        // opened again and the sample read once more, a few times at most.
+        let mut tries = 0;
+        loop {
+            let reopened = std::cell::Cell::new(false);
+            match self.read_once(sample, out, &reopened) {
+                Err(_) if reopened.get() && tries < 4 => tries += 1,
+                result => return result,
+            }
+        }
+    }
+}
+
+impl Hdf5Source {
+    /// Reads `sample`; sets `reopened` when its file's helper had been
+    /// restarted (the handle is dropped: the next read opens it again).
+    fn read_once(
+        &self,
+        sample: SampleRef,
+        out: &mut [FieldOut<'_>],
+        reopened: &std::cell::Cell<bool>,
+    ) -> Result<(), SourceError> {
         let index = sample.index;
         let file_idx = self.starts.partition_point(|&s| s <= index) - 1;
         let file = &self.files[file_idx];
@@ -309,13 +353,21 @@ impl Source for Hdf5Source {
         for (f, dst) in out.iter_mut().enumerate() {
             let reader = &handle.fields[f];
             let spec = &self.fields[f];
-            let read_err = |e: field::FieldError| SourceError::Read {
-                path: file.path.clone(),
-                field: spec.name.clone(),
-                h5path: spec.origin.clone(),
-                index,
-                row: item,
-                message: e.to_string(),
+            let read_err = |e: field::FieldError| {
+                if matches!(e, field::FieldError::Helper(_) | field::FieldError::Reopen) {
+                    // The helper that had the file open is gone: the next
+                    // read opens it again (through a new helper).
+                    file.close();
+                    reopened.set(matches!(e, field::FieldError::Reopen));
+                }
+                SourceError::Read {
+                    path: file.path.clone(),
+                    field: spec.name.clone(),
+                    h5path: spec.origin.clone(),
+                    index,
+                    row: item,
+                    message: e.to_string(),
+                }
             };
             let mut start = vec![0u64; reader.dims.len()];
             let mut count = reader.dims.clone();
@@ -458,6 +510,7 @@ mod tests {
             fast_path: true,
             sampling,
             max_chunk_bytes: u64::MAX,
+            domain: None,
         }
     }
 

@@ -8,7 +8,24 @@ use super::filter_name;
 /// Why a field of a file cannot be opened or read; the caller adds the file
 /// and field (the messages follow them).
 #[derive(Debug, thiserror::Error)]
-pub(crate) enum FieldError {
+pub enum FieldError {
+    /// The HDF5 helper reading this file crashed, hung or was restarted
+    /// (what happened and what to do).
+    #[error("{0}")]
+    Helper(String),
+    /// The HDF5 helper that opened this file has been restarted since (the
+    /// file must be opened again).
+    #[error(
+        "the HDF5 helper that had this file open has since been restarted (after another file crashed it); the \
+         next read opens it again"
+    )]
+    Reopen,
+    /// A helper was asked for a field it does not have.
+    #[error("the HDF5 helper has no field {field}")]
+    NoSuchField {
+        /// The field index asked for.
+        field: usize,
+    },
     /// libhdf5 reads the field, but lacks filters of its pipeline (these).
     #[error("{}", undecodable(missing))]
     Undecodable {
@@ -114,7 +131,7 @@ pub(crate) enum FieldError {
 /// A filtered chunk as messages name it: where it starts in the dataset,
 /// where it is stored and how many bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct StoredChunk {
+pub struct StoredChunk {
     /// The chunk's first element.
     pub(super) start: Vec<u64>,
     /// Its file offset.

@@ -26,16 +26,16 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::{Arc, RwLock};
 
-use hdf5::datatype::ByteOrder;
-use hdf5_sys::h5::{haddr_t, hsize_t};
-use stoker_proto::DType;
+use hdf5_sys::h5::hsize_t;
 
 use crate::cache::{CacheCtx, Key, NEVER, Uses};
 use stoker_decode::filter::{self, FilterSpec};
 
 mod error;
+pub mod library;
 
-pub(crate) use error::{FieldError, StoredChunk};
+pub use error::{FieldError, StoredChunk};
+use library::{FieldFacts, LayoutFacts, LibFile, Location};
 
 /// How a field's bytes are found.
 #[derive(Debug)]
@@ -48,17 +48,21 @@ pub(crate) enum Layout {
     Library { reason: String },
 }
 
-impl Layout {
-    /// Short description for `stoker inspect` and logs.
+fn describe_chunked(filters: &[FilterSpec]) -> String {
+    if filters.is_empty() {
+        return "fast path: chunked, pread".to_string();
+    }
+    let names: Vec<_> = filters.iter().map(|f| f.name.as_str()).collect();
+    format!("fast path: chunked, pread + {} in Rust", names.join(" + "))
+}
+
+impl LayoutFacts {
+    /// How a field with this layout is read, for `stoker inspect`.
     pub(crate) fn describe(&self) -> String {
         match self {
-            Layout::Contiguous { .. } => "fast path: contiguous, pread".to_string(),
-            Layout::Chunked(c) if c.filters.is_empty() => "fast path: chunked, pread".to_string(),
-            Layout::Chunked(c) => {
-                let names: Vec<_> = c.filters.iter().map(|f| f.name.as_str()).collect();
-                format!("fast path: chunked, pread + {} in Rust", names.join(" + "))
-            }
-            Layout::Library { reason } => format!("libhdf5 (under its global lock): {reason}"),
+            LayoutFacts::Contiguous { .. } => "fast path: contiguous, pread".to_string(),
+            LayoutFacts::Chunked { filters, .. } => describe_chunked(filters),
+            LayoutFacts::Library { reason } => format!("libhdf5 (in the HDF5 helper): {reason}"),
         }
     }
 }
@@ -86,29 +90,23 @@ pub(crate) struct Chunked {
 /// epoch over them would otherwise keep one entry for each.
 const MAX_LOCATIONS: usize = 1 << 16;
 
-#[derive(Debug, Clone, Copy)]
-struct Location {
-    /// File address, `None` when the chunk was never written.
-    addr: Option<u64>,
-    size: u64,
-    filter_mask: u32,
-}
-
 /// One field of one file.
 #[derive(Debug)]
 pub(crate) struct FieldReader {
-    pub(crate) dataset: hdf5::Dataset,
     /// Dataset shape.
     pub(crate) dims: Vec<u64>,
     /// Bytes per element.
     elem: usize,
     /// File bytes are big-endian and must be swapped after a raw copy.
     swap: bool,
-    /// Native in-memory type for `H5Dread`.
-    mem_type: hdf5::Datatype,
     pub(crate) layout: Layout,
     /// Identifies this field of this file in the chunk cache (a [`crate::cache::space_id`]).
     cache_id: u64,
+    /// libhdf5's view of the file (a helper process's, in the daemon), for
+    /// chunk locations and library reads.
+    lib: Arc<dyn LibFile>,
+    /// This field's index in `lib`.
+    index: usize,
 }
 
 /// The chunk cache, and which samples a chunk read for this block serves.
@@ -122,47 +120,55 @@ pub(crate) struct ChunkUse<'a> {
 }
 
 impl FieldReader {
-    /// Inspects `dataset` and picks its read path.
-    pub(crate) fn new(
-        dataset: hdf5::Dataset,
-        dtype: DType,
-        file_type: &hdf5::Datatype,
-        mem_type: hdf5::Datatype,
+    /// The reader of field `index` of `lib` from its `facts`, which come from
+    /// another process and are checked here before anything is read: the
+    /// element size is the dtype's, a chunk shape has one non-zero extent
+    /// per dimension and a size that fits in memory, the fill value is one
+    /// element, and filters the Rust decoders lack send the field to the
+    /// library path. Errors say what is inconsistent.
+    pub(crate) fn from_facts(
+        facts: &FieldFacts,
+        index: usize,
+        lib: Arc<dyn LibFile>,
         cache_id: u64,
-        fast_path: bool,
-    ) -> Result<FieldReader, FieldError> {
-        let dims: Vec<u64> = dataset.shape().iter().map(|&d| d as u64).collect();
-        let elem = dtype.size();
-        let order = file_type.byte_order();
-        let swap = order == ByteOrder::BigEndian && cfg!(target_endian = "little") && elem > 1;
-        // One-byte types (bool is h5py's int8 enum of 0 and 1) need no byte
-        // order; wider ones must be plain little- or big-endian.
-        let raw_ok = elem == 1 || matches!(order, ByteOrder::LittleEndian | ByteOrder::BigEndian);
-        let layout = if !fast_path {
-            Layout::Library { reason: "fast path disabled ([hdf5] fast_path = false)".into() }
-        } else if !raw_ok {
-            Layout::Library { reason: format!("{dtype} stored with an unusual byte order") }
-        } else {
-            match dataset.layout() {
-                hdf5::dataset::Layout::Contiguous => match dataset.offset() {
-                    Some(offset) => Layout::Contiguous { offset },
-                    None => Layout::Library { reason: "contiguous storage not allocated (never written)".into() },
-                },
-                hdf5::dataset::Layout::Chunked => chunked(&dataset, file_type, &dims, elem),
-                hdf5::dataset::Layout::Compact => Layout::Library { reason: "compact layout".into() },
-                #[allow(unreachable_patterns)]
-                other => Layout::Library { reason: format!("{other:?} layout") },
+    ) -> Result<FieldReader, String> {
+        let dims = facts.shape.clone();
+        let elem = facts.dtype.size();
+        if dims.iter().try_fold(elem as u64, |acc, &d| acc.checked_mul(d)).is_none() {
+            return Err(format!("has shape {dims:?}, whose bytes do not fit in 64 bits"));
+        }
+        let layout = match &facts.layout {
+            LayoutFacts::Contiguous { offset } => Layout::Contiguous { offset: *offset },
+            LayoutFacts::Library { reason } => Layout::Library { reason: reason.clone() },
+            LayoutFacts::Chunked { chunk, filters, fill } => {
+                if chunk.len() != dims.len() || chunk.contains(&0) {
+                    return Err(format!("declares chunks of {chunk:?} for a dataset of shape {dims:?}"));
+                }
+                if fill.len() != elem {
+                    return Err(format!("declares a fill value of {} bytes for {}-byte elements", fill.len(), elem));
+                }
+                let chunk_bytes = chunk
+                    .iter()
+                    .try_fold(elem, |acc, &d| usize::try_from(d).ok().and_then(|d| acc.checked_mul(d)))
+                    .filter(|&b| b <= isize::MAX as usize);
+                match (chunk_bytes, filter::unsupported_reason(filters)) {
+                    (None, _) => Layout::Library { reason: "chunk size does not fit in memory".into() },
+                    (_, Some(reason)) => Layout::Library { reason },
+                    (Some(chunk_bytes), None) => {
+                        let grid = dims.iter().zip(chunk).map(|(&d, &c)| d.div_ceil(c)).collect();
+                        Layout::Chunked(Chunked {
+                            chunk: chunk.clone(),
+                            grid,
+                            chunk_bytes,
+                            filters: filters.clone(),
+                            fill: fill.clone(),
+                            locations: RwLock::new(HashMap::new()),
+                        })
+                    }
+                }
             }
         };
-        if !matches!(layout, Layout::Chunked(_)) {
-            // libhdf5 reads it, so libhdf5 must have every filter of the pipeline.
-            let missing: Vec<FilterSpec> =
-                pipeline(&dataset).into_iter().filter(|f| !library_has_filter(f.id)).collect();
-            if !missing.is_empty() {
-                return Err(FieldError::Undecodable { missing });
-            }
-        }
-        Ok(FieldReader { dataset, dims, elem, swap, mem_type, layout, cache_id })
+        Ok(FieldReader { dims, elem, swap: facts.swap && elem > 1, layout, cache_id, lib, index })
     }
 
     /// Reads the block at `start` of shape `count` (both full rank, C order)
@@ -194,7 +200,7 @@ impl FieldReader {
                 })?;
             }
             Layout::Chunked(c) => self.read_chunked(c, file, cache, start, count, dst)?,
-            Layout::Library { .. } => return self.read_library(start, count, dst),
+            Layout::Library { .. } => return self.lib.read(self.index, start, count, dst),
         }
         if self.swap {
             for element in dst.chunks_exact_mut(self.elem) {
@@ -310,86 +316,13 @@ impl FieldReader {
         if let Some(loc) = c.locations.read().unwrap_or_else(|e| e.into_inner()).get(&linear) {
             return Ok(*loc);
         }
-        let coords: Vec<hsize_t> = chunk_start.to_vec();
-        let (mut mask, mut addr, mut size): (c_uint, haddr_t, hsize_t) = (0, 0, 0);
-        let status = hdf5::sync::sync(|| {
-            // SAFETY: the dataset id is valid while `self.dataset` lives;
-            // `coords` has one entry per dimension; the out-pointers point at
-            // locals; libhdf5 is called under hdf5-metno's global lock.
-            unsafe {
-                hdf5_sys::h5d::H5Dget_chunk_info_by_coord(
-                    self.dataset.id(),
-                    coords.as_ptr(),
-                    &mut mask,
-                    &mut addr,
-                    &mut size,
-                )
-            }
-        });
-        if status < 0 {
-            return Err(FieldError::Locate { chunk: chunk_start.to_vec() });
-        }
-        let loc = Location { addr: (addr != hdf5_sys::h5::HADDR_UNDEF).then_some(addr), size, filter_mask: mask };
+        let loc = self.lib.locate(self.index, chunk_start)?;
         let mut locations = c.locations.write().unwrap_or_else(|e| e.into_inner());
         if locations.len() >= MAX_LOCATIONS {
             locations.clear();
         }
         locations.insert(linear, loc);
         Ok(loc)
-    }
-
-    /// `H5Dread` of the block under the library lock, converting to native order.
-    fn read_library(&self, start: &[u64], count: &[u64], dst: &mut [u8]) -> Result<(), FieldError> {
-        use hdf5_sys::h5d::{H5Dget_space, H5Dread};
-        use hdf5_sys::h5p::H5P_DEFAULT;
-        use hdf5_sys::h5s::{H5S_seloper_t, H5Sclose, H5Screate_simple, H5Sselect_hyperslab};
-
-        let elements: u64 = count.iter().product();
-        let mem_dims = [elements];
-        hdf5::sync::sync(|| {
-            // SAFETY: the dataset and memory type stay open while `self`
-            // lives; the spaces are created and closed here; `start` and
-            // `count` have one entry per dimension; `dst` holds `elements`
-            // values of `mem_type`; libhdf5 runs under hdf5-metno's lock.
-            unsafe {
-                let file_space = H5Dget_space(self.dataset.id());
-                if file_space < 0 {
-                    return Err(FieldError::NoSpace);
-                }
-                let mem_space = H5Screate_simple(1, mem_dims.as_ptr(), std::ptr::null());
-                // A scalar dataspace (rank 0, a constant field) has one element, selected already.
-                let mut status = if start.is_empty() {
-                    0
-                } else {
-                    H5Sselect_hyperslab(
-                        file_space,
-                        H5S_seloper_t::H5S_SELECT_SET,
-                        start.as_ptr(),
-                        std::ptr::null(),
-                        count.as_ptr(),
-                        std::ptr::null(),
-                    )
-                };
-                if status >= 0 && mem_space >= 0 {
-                    status = H5Dread(
-                        self.dataset.id(),
-                        self.mem_type.id(),
-                        mem_space,
-                        file_space,
-                        H5P_DEFAULT,
-                        dst.as_mut_ptr().cast(),
-                    );
-                }
-                if mem_space >= 0 {
-                    H5Sclose(mem_space);
-                }
-                H5Sclose(file_space);
-                if status < 0 || mem_space < 0 {
-                    return Err(FieldError::Library { start: start.to_vec(), count: count.to_vec() });
-                }
-                Ok(())
-            }
-        })
     }
 }
 
@@ -583,24 +516,11 @@ pub(crate) fn open_own_dataset(group: &hdf5::Group, path: &str) -> Result<hdf5::
     Ok(dataset)
 }
 
-/// The bytes one chunk of `dataset` takes decoded, for a chunked dataset
-/// with filters (whose reads decode whole chunks, on the fast path and in
-/// libhdf5 alike); `None` for other layouts. A chunk shape whose size does
-/// not fit in 64 bits counts as `u64::MAX`.
-pub(crate) fn decoded_chunk_bytes(dataset: &hdf5::Dataset, elem: usize) -> Option<u64> {
-    let chunk = dataset.chunk()?;
-    if pipeline(dataset).is_empty() {
-        return None;
-    }
-    Some(chunk.iter().try_fold(elem as u64, |acc, &d| acc.checked_mul(d as u64)).unwrap_or(u64::MAX))
-}
-
 /// Reads the chunked layout's metadata: chunk shape, filters, fill value.
-fn chunked(dataset: &hdf5::Dataset, file_type: &hdf5::Datatype, dims: &[u64], elem: usize) -> Layout {
+fn chunked(dataset: &hdf5::Dataset, file_type: &hdf5::Datatype, rank: usize, elem: usize) -> LayoutFacts {
     use hdf5_sys::h5d::H5Dget_create_plist;
     use hdf5_sys::h5p::{H5Pclose, H5Pget_chunk, H5Pget_fill_value, H5Pget_filter2, H5Pget_nfilters};
 
-    let rank = dims.len();
     let mut chunk = vec![0 as hsize_t; rank];
     let mut fill = vec![0u8; elem];
     let mut filters = Vec::new();
@@ -643,18 +563,12 @@ fn chunked(dataset: &hdf5::Dataset, file_type: &hdf5::Datatype, dims: &[u64], el
         }
     });
     if !ok || chunk.contains(&0) {
-        return Layout::Library { reason: "cannot read the chunk layout".into() };
+        return LayoutFacts::Library { reason: "cannot read the chunk layout".into() };
     }
     if let Some(reason) = filter::unsupported_reason(&filters) {
-        return Layout::Library { reason };
+        return LayoutFacts::Library { reason };
     }
-    let grid = dims.iter().zip(&chunk).map(|(&d, &c)| d.div_ceil(c)).collect();
-    let Some(chunk_bytes) =
-        chunk.iter().try_fold(elem, |acc, &d| usize::try_from(d).ok().and_then(|d| acc.checked_mul(d)))
-    else {
-        return Layout::Library { reason: "chunk size does not fit in memory".into() };
-    };
-    Layout::Chunked(Chunked { chunk, grid, chunk_bytes, filters, fill, locations: RwLock::new(HashMap::new()) })
+    LayoutFacts::Chunked { chunk, filters, fill }
 }
 
 /// The size in bytes of `file_type` when it is an HDF5 bitfield
@@ -784,6 +698,8 @@ fn max_stored(chunk_bytes: usize) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    use stoker_proto::DType;
+
     use super::*;
 
     #[test]
@@ -792,20 +708,53 @@ mod tests {
         let path = dir.path().join("grid.h5");
         let rows = MAX_LOCATIONS + 300;
         // One row per chunk, none written: a small file with a large grid.
-        // (Read through the handle that wrote it: a second open of the file
-        // may meet libhdf5's file lock while the tests run in parallel.)
         let file = hdf5::File::create(&path).unwrap();
         file.new_dataset::<u8>().shape([rows, 4]).chunk([1, 4]).create("x").unwrap();
-        let dataset = open_own_dataset(&file, "x").unwrap();
-        let file_type = dataset.dtype().unwrap();
-        let mem_type = native_type(&file_type).unwrap();
-        let reader = FieldReader::new(dataset, DType::U8, &file_type, mem_type, 0, true).unwrap();
-        let Layout::Chunked(c) = &reader.layout else { panic!("chunked: {}", reader.layout.describe()) };
+        file.close().unwrap();
+        let raw = File::open(&path).unwrap();
+        let (facts, lib) = library::probe(&raw, &["x".to_string()], true).unwrap();
+        let reader = FieldReader::from_facts(&facts[0], 0, Arc::new(lib), 0).unwrap();
+        let Layout::Chunked(c) = &reader.layout else { panic!("chunked: {:?}", reader.layout) };
         for row in 0..rows as u64 {
             let loc = reader.location(c, row, &[row, 0]).unwrap();
             assert!(loc.addr.is_none(), "row {row}: never written");
             let held = c.locations.read().unwrap().len();
             assert!(held <= MAX_LOCATIONS, "{held} locations held after {row} rows");
         }
+    }
+
+    /// Facts from another process are checked before anything is read.
+    #[test]
+    fn inconsistent_facts_are_refused_or_read_by_the_library() {
+        #[derive(Debug)]
+        struct Nothing;
+        impl LibFile for Nothing {
+            fn locate(&self, _: usize, c: &[u64]) -> Result<Location, FieldError> {
+                Err(FieldError::Locate { chunk: c.to_vec() })
+            }
+            fn read(&self, _: usize, s: &[u64], c: &[u64], _: &mut [u8]) -> Result<(), FieldError> {
+                Err(FieldError::Library { start: s.to_vec(), count: c.to_vec() })
+            }
+        }
+        let facts = |shape: Vec<u64>, chunk: Vec<u64>, fill: usize| FieldFacts {
+            shape,
+            dtype: DType::F32,
+            swap: false,
+            layout: LayoutFacts::Chunked { chunk, filters: Vec::new(), fill: vec![0; fill] },
+            chunk: None,
+            decoded_chunk_bytes: None,
+        };
+        let open = |f: &FieldFacts| FieldReader::from_facts(f, 0, Arc::new(Nothing), 0);
+        assert!(open(&facts(vec![64, 4], vec![16, 4], 4)).is_ok());
+        for bad in [
+            facts(vec![64, 4], vec![16], 4),
+            facts(vec![64, 4], vec![16, 0], 4),
+            facts(vec![64, 4], vec![16, 4], 3),
+            facts(vec![u64::MAX, 4], vec![16, 4], 4),
+        ] {
+            assert!(open(&bad).is_err(), "{bad:?} accepted");
+        }
+        let huge = open(&facts(vec![64, 4], vec![1 << 40, 1 << 40], 4)).unwrap();
+        assert!(matches!(huge.layout, Layout::Library { .. }), "{:?}", huge.layout);
     }
 }

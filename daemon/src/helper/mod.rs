@@ -1,0 +1,360 @@
+//! HDF5 helper processes: the daemon never runs libhdf5 on a file a client
+//! names. Each trust domain (a client uid for its ad-hoc datasets; the
+//! daemon itself for datasets named in the config) has one helper process,
+//! started on first use with that domain's credentials ([`process`]), which
+//! opens the files the daemon passes it and answers with plain facts
+//! (shapes, types, layouts, chunk locations) and, for fields only libhdf5
+//! reads, the bytes ([`wire`], [`serve`]). The daemon checks every number
+//! before it reads a byte (`FieldReader::from_facts`, `check_sizes`) and
+//! reads the fast paths itself.
+//!
+//! A helper that crashes, hangs past `[hdf5] helper_timeout_s` or breaks
+//! the protocol is killed; what it owed fails with an error naming the file
+//! and field (the daemon and other users never notice), its files are
+//! opened again through a new helper, started with back-off after
+//! repeated deaths. Each domain's requests take turns on its helper (its own
+//! libhdf5, its own lock): one user's slow file does not hold another's.
+
+#[allow(unsafe_code)] // fork/exec set-up of the helper (pre_exec)
+mod process;
+pub mod serve;
+mod wire;
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::unix::net::UnixStream;
+use std::process::Child;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use stoker_data::fsaccess::Peer;
+use stoker_data::source::hdf5::{FieldError, FieldFacts, Hdf5Opener, LibFile, LocalOpener, Location, ProbeError};
+
+pub(crate) use process::Creds;
+use wire::{Reply, Request};
+
+/// How helpers run: `[hdf5] helper_timeout_s`, `helper_memory_bytes`.
+#[derive(Debug, Clone, Copy)]
+pub struct HelperLimits {
+    /// Longest a request may take before its helper is killed.
+    pub timeout: Duration,
+    /// Address-space bound of a helper (0: none).
+    pub memory_bytes: u64,
+}
+
+/// The helpers of every trust domain.
+#[derive(Debug)]
+pub struct Helpers {
+    limits: HelperLimits,
+    /// `None`: libhdf5 runs in this process (unit tests; never the daemon).
+    isolated: bool,
+    /// By domain: `Some(uid)` for a client's, `None` for the daemon's.
+    by_domain: Mutex<HashMap<Option<u32>, Arc<Helper>>>,
+}
+
+/// Trust domains with a helper at once; beyond, the least recently used
+/// idle ones are stopped (a node has few users with open datasets).
+const MAX_HELPERS: usize = 256;
+
+impl Helpers {
+    /// Helpers with `limits`, started on demand.
+    pub fn new(limits: HelperLimits) -> Arc<Helpers> {
+        Arc::new(Helpers { limits, isolated: true, by_domain: Mutex::new(HashMap::new()) })
+    }
+
+    /// libhdf5 in this process, for tests of the code around it.
+    pub fn in_process() -> Arc<Helpers> {
+        let limits = HelperLimits { timeout: Duration::from_secs(60), memory_bytes: 0 };
+        Arc::new(Helpers { limits, isolated: false, by_domain: Mutex::new(HashMap::new()) })
+    }
+
+    /// Where the files of a dataset opened by `peer` (`None`: a named
+    /// dataset) are opened with libhdf5.
+    pub fn opener(&self, peer: Option<&Peer>) -> Arc<dyn Hdf5Opener> {
+        if !self.isolated {
+            return Arc::new(LocalOpener);
+        }
+        let domain = peer.map(|p| p.uid);
+        let mut by_domain = self.by_domain.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(helper) = by_domain.get(&domain) {
+            return Arc::new(DomainOpener(helper.clone()));
+        }
+        if by_domain.len() >= MAX_HELPERS {
+            // Helpers nobody holds (no open dataset) go first.
+            by_domain.retain(|_, h| Arc::strong_count(h) > 1);
+        }
+        let creds = match peer {
+            Some(p) => Creds::User { uid: p.uid, gid: p.gid, groups: p.groups() },
+            None => Creds::Daemon,
+        };
+        let helper = Arc::new(Helper::new(creds, self.limits));
+        by_domain.insert(domain, helper.clone());
+        Arc::new(DomainOpener(helper))
+    }
+
+    /// Helper processes running now, and deaths (crashes and timeouts) so far.
+    pub fn counts(&self) -> (usize, u64) {
+        let by_domain = self.by_domain.lock().unwrap_or_else(PoisonError::into_inner);
+        by_domain.values().fold((0, 0), |(running, deaths), h| {
+            let state = h.state.lock().unwrap_or_else(PoisonError::into_inner);
+            (running + usize::from(state.conn.is_some()), deaths + state.deaths)
+        })
+    }
+}
+
+/// One trust domain's helper: started on first use, restarted after it dies.
+#[derive(Debug)]
+struct Helper {
+    creds: Creds,
+    limits: HelperLimits,
+    state: Mutex<State>,
+}
+
+#[derive(Debug)]
+struct State {
+    conn: Option<(Child, UnixStream)>,
+    /// Bumped at every death: handles of an older generation are gone.
+    generation: u64,
+    /// Deaths in a row (back-off) and in all.
+    failures: u32,
+    deaths: u64,
+    /// No new helper before this (back-off after deaths).
+    not_before: Option<Instant>,
+    /// How the last one ended, for errors during back-off.
+    last_death: String,
+}
+
+/// Why a request to a helper did not get an answer.
+#[derive(Debug)]
+enum Lost {
+    /// The handle belongs to a helper that has since died.
+    Gone,
+    /// The helper died, hung or misbehaved now (how), or cannot be started.
+    Died(String),
+}
+
+impl Lost {
+    fn message(self) -> String {
+        match self {
+            Lost::Gone => FieldError::Reopen.to_string(),
+            Lost::Died(how) => format!(
+                "the HDF5 library {how} reading it (in this user's HDF5 helper process; the daemon and other users \
+                 are unaffected): the file may be crafted or corrupt, check it with h5dump"
+            ),
+        }
+    }
+}
+
+impl Helper {
+    fn new(creds: Creds, limits: HelperLimits) -> Helper {
+        let state =
+            State { conn: None, generation: 0, failures: 0, deaths: 0, not_before: None, last_death: String::new() };
+        Helper { creds, limits, state: Mutex::new(state) }
+    }
+
+    /// One round trip: sends `request` (with `fd`), waits for the answer,
+    /// and for [`Reply::Data`] reads the bytes into `data`. `generation`:
+    /// the handle's, `None` for an open (any helper will do).
+    fn call(
+        &self,
+        request: &Request,
+        fd: Option<&File>,
+        generation: Option<u64>,
+        data: Option<&mut [u8]>,
+    ) -> Result<(Reply, u64), Lost> {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        // A helper that died since its last answer (killed from outside,
+        // out of memory while idle) owed nothing: handles of it are gone,
+        // and an open goes to a new one.
+        if let Some((child, _)) = state.conn.as_mut()
+            && matches!(child.try_wait(), Ok(Some(_)))
+        {
+            self.bury(&mut state, std::io::Error::other("exited while idle"));
+        }
+        if generation.is_some_and(|g| g != state.generation) {
+            return Err(Lost::Gone);
+        }
+        if state.conn.is_none() {
+            if let Some(at) = state.not_before
+                && Instant::now() < at
+            {
+                return Err(Lost::Died(format!("{} (restarting)", state.last_death)));
+            }
+            let (child, sock) = process::spawn(&self.creds, self.limits.memory_bytes)
+                .map_err(|e| Lost::Died(format!("could not be started ({e})")))?;
+            let _ = sock.set_read_timeout(Some(self.limits.timeout));
+            let _ = sock.set_write_timeout(Some(self.limits.timeout));
+            state.conn = Some((child, sock));
+        }
+        let generation = state.generation;
+        let sock = &state.conn.as_ref().expect("started above").1;
+        if let Err(e) = wire::send(sock, request, fd.map(wire::borrowed)) {
+            // It never got the request: nothing of this request's doing.
+            self.bury(&mut state, e);
+            return Err(Lost::Gone);
+        }
+        match receive(sock, data) {
+            Ok(reply) => {
+                state.failures = 0;
+                Ok((reply, generation))
+            }
+            Err(e) => {
+                let how = self.bury(&mut state, e);
+                Err(Lost::Died(how))
+            }
+        }
+    }
+
+    /// Sends a request that gets no answer (best effort).
+    fn tell(&self, request: &Request, generation: u64) {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if state.generation != generation {
+            return;
+        }
+        if let Some((_, sock)) = &state.conn
+            && let Err(e) = wire::send(sock, request, None)
+        {
+            self.bury(&mut state, e);
+        }
+    }
+
+    /// Kills the helper after `error`, reaps it, and says how it ended.
+    fn bury(&self, state: &mut State, error: std::io::Error) -> String {
+        let Some((mut child, sock)) = state.conn.take() else { return "ended".into() };
+        drop(sock);
+        let timed_out = matches!(error.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut);
+        let status = if timed_out {
+            let _ = child.kill();
+            child.wait().ok()
+        } else {
+            // It closed the socket: it is exiting or dead; wait briefly, then make sure.
+            let deadline = Instant::now() + Duration::from_millis(500);
+            loop {
+                match child.try_wait() {
+                    Ok(Some(status)) => break Some(status),
+                    Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                    _ => {
+                        let _ = child.kill();
+                        break child.wait().ok();
+                    }
+                }
+            }
+        };
+        let how = if timed_out {
+            format!("did not answer within {} s (helper killed)", self.limits.timeout.as_secs_f64())
+        } else {
+            use std::os::unix::process::ExitStatusExt;
+            match status.and_then(|s| s.signal()) {
+                Some(signal) => format!("crashed (helper killed by signal {signal}{})", signal_name(signal)),
+                None => format!("failed ({error}; helper exited: {})", status.map_or("?".into(), |s| s.to_string())),
+            }
+        };
+        tracing::warn!(creds = ?self.creds, pid = child.id(), reason = %how, "HDF5 helper died; what it owed fails, the next use starts a new one");
+        state.generation += 1;
+        state.failures = state.failures.saturating_add(1);
+        state.deaths += 1;
+        // 0 s after a first death, then 0.1, 0.2, ... up to 10 s between starts.
+        let wait = Duration::from_millis(100).saturating_mul(1 << state.failures.saturating_sub(1).min(7));
+        state.not_before = (state.failures > 1).then(|| Instant::now() + wait.min(Duration::from_secs(10)));
+        state.last_death = how.clone();
+        how
+    }
+}
+
+fn signal_name(signal: i32) -> &'static str {
+    match signal {
+        libc::SIGSEGV => " (SIGSEGV)",
+        libc::SIGBUS => " (SIGBUS)",
+        libc::SIGABRT => " (SIGABRT: out of memory or a failed check)",
+        libc::SIGKILL => " (SIGKILL)",
+        libc::SIGFPE => " (SIGFPE)",
+        libc::SIGILL => " (SIGILL)",
+        _ => "",
+    }
+}
+
+/// Reads the answer to the request just sent (and any data into `data`,
+/// whose length the request fixed).
+fn receive(sock: &UnixStream, data: Option<&mut [u8]>) -> std::io::Result<Reply> {
+    let mut fds = Vec::new();
+    let reply: Reply = wire::recv(sock, &mut fds)?.ok_or(std::io::ErrorKind::UnexpectedEof)?;
+    if let Reply::Data = reply {
+        let Some(data) = data else {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "data nobody asked for"));
+        };
+        wire::recv_data(sock, data)?;
+    }
+    Ok(reply)
+}
+
+/// Opens files through one domain's helper.
+#[derive(Debug)]
+struct DomainOpener(Arc<Helper>);
+
+impl Hdf5Opener for DomainOpener {
+    fn open(
+        &self,
+        file: &File,
+        h5paths: &[String],
+        fast_path: bool,
+    ) -> Result<(Vec<FieldFacts>, Arc<dyn LibFile>), ProbeError> {
+        let request = Request::Open { h5paths: h5paths.to_vec(), fast_path };
+        let mut answer = self.0.call(&request, Some(file), None, None);
+        if let Err(Lost::Gone) = answer {
+            // The helper was found dead before it got the open: a new one.
+            answer = self.0.call(&request, Some(file), None, None);
+        }
+        match answer {
+            Ok((Reply::Opened { handle, facts }, generation)) => {
+                Ok((facts, Arc::new(RemoteFile { helper: self.0.clone(), handle, generation })))
+            }
+            Ok((Reply::OpenFailed(e), _)) => Err(e),
+            Ok((other, _)) => Err(ProbeError::Helper(format!("the HDF5 helper answered {other:?} to an open"))),
+            Err(lost) => Err(ProbeError::Helper(lost.message())),
+        }
+    }
+}
+
+/// A file open in a helper.
+#[derive(Debug)]
+struct RemoteFile {
+    helper: Arc<Helper>,
+    handle: u64,
+    generation: u64,
+}
+
+impl LibFile for RemoteFile {
+    fn locate(&self, field: usize, chunk_start: &[u64]) -> Result<Location, FieldError> {
+        let request = Request::Locate { handle: self.handle, field: field as u32, chunk: chunk_start.to_vec() };
+        match self.helper.call(&request, None, Some(self.generation), None) {
+            Ok((Reply::Located(loc), _)) => Ok(loc),
+            Ok((Reply::Failed(_), _)) => Err(FieldError::Locate { chunk: chunk_start.to_vec() }),
+            Ok((other, _)) => Err(FieldError::Helper(format!("the HDF5 helper answered {other:?} to a lookup"))),
+            Err(Lost::Gone) => Err(FieldError::Reopen),
+            Err(lost) => Err(FieldError::Helper(lost.message())),
+        }
+    }
+
+    fn read(&self, field: usize, start: &[u64], count: &[u64], dst: &mut [u8]) -> Result<(), FieldError> {
+        let request = Request::Read {
+            handle: self.handle,
+            field: field as u32,
+            start: start.to_vec(),
+            count: count.to_vec(),
+            bytes: dst.len() as u64,
+        };
+        match self.helper.call(&request, None, Some(self.generation), Some(dst)) {
+            Ok((Reply::Data, _)) => Ok(()),
+            Ok((Reply::Failed(_), _)) => Err(FieldError::Library { start: start.to_vec(), count: count.to_vec() }),
+            Ok((other, _)) => Err(FieldError::Helper(format!("the HDF5 helper answered {other:?} to a read"))),
+            Err(Lost::Gone) => Err(FieldError::Reopen),
+            Err(lost) => Err(FieldError::Helper(lost.message())),
+        }
+    }
+}
+
+impl Drop for RemoteFile {
+    fn drop(&mut self) {
+        self.helper.tell(&Request::Close { handle: self.handle }, self.generation);
+    }
+}
