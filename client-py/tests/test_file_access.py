@@ -385,7 +385,7 @@ def run_as(
 
 
 @contextlib.contextmanager
-def _root_daemon_and_files(uid: int, extra: str = "") -> Iterator[tuple[Path, Path, Daemon]]:
+def _root_daemon_and_files(uid: int, extra: str = "", limits: str = "") -> Iterator[tuple[Path, Path, Daemon]]:
     """A daemon running as root that serves `uid` too (socket open to all,
     allowed root `base`), with `base/public/p.h5` (0..7) readable by all and
     `base/secret/s.h5` (999s) readable by root only: `(public, secret, daemon)`."""
@@ -404,7 +404,7 @@ def _root_daemon_and_files(uid: int, extra: str = "") -> Iterator[tuple[Path, Pa
         os.chmod(secret / "s.h5", 0o600)
         config = make_config(str(workdir / "stoker.sock"), allowed_roots=[base])
         config = config.replace("[server]\n", f"[server]\nallowed_uids = [{uid}]\n", 1)
-        d = Daemon(workdir, config + "\n[limits]\nidle_close_s = 0\n" + extra)
+        d = Daemon(workdir, config + "\n[limits]\nidle_close_s = 0\n" + limits + extra)
         os.chmod(d.socket, 0o777)
         yield public, secret, d
     finally:
@@ -785,3 +785,132 @@ def test_a_users_hdf5_helper_runs_as_that_user_and_their_crafted_file_harms_nobo
         rest = [first] + [b["x"].copy() for b in it]
         assert np.array_equal(np.concatenate(rest), np.arange(8).reshape(4, 2))
         loader.close()
+
+
+def test_the_socket_mode_and_group_are_never_set_through_a_path_a_user_can_swap(
+    other_user: tuple[int, int, int], tmp_path: Path
+) -> None:
+    """Finding 13 of issue 22: `chmod`/`chown` by path after `bind` follow a
+    symlink the owner of the socket directory swaps in; a root daemon then
+    gave a root-owned 0600 file the socket's mode and group. The socket is now
+    bound, given its group and mode in a private directory and renamed into
+    place, so the swap loop below has nothing to redirect."""
+    uid, gid, extra_gid = other_user
+    sockdir = Path(tempfile.mkdtemp(prefix="stk-sd-", dir="/tmp"))
+    victim_dir = Path(tempfile.mkdtemp(prefix="stk-victim-", dir="/tmp"))
+    try:
+        os.chown(sockdir, uid, gid)
+        os.chmod(sockdir, 0o755)
+        victim = victim_dir / "secret"
+        victim.write_text("root only")
+        os.chmod(victim, 0o600)
+        sock = sockdir / "s.sock"
+        attacker = subprocess.Popen(
+            [sys.executable, "-c", SWAPPER, str(sock), str(victim), str(uid), str(gid)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            for start in range(5):
+                config = make_config(str(sock)).replace("[server]\n", f'[server]\nsocket_group = "{TEST_GROUP}"\n', 1)
+                workdir = Path(tempfile.mkdtemp(prefix="stk-", dir="/tmp"))
+                (workdir / "stoker.toml").write_text(config)
+                # Not conftest's Daemon: the swapper replaces the socket, so
+                # readiness is read from the log instead.
+                serve = subprocess.Popen(
+                    [str(stoker_bin()), "serve", "--config", str(workdir / "stoker.toml")],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                )
+                try:
+                    deadline = time.monotonic() + 20
+                    log = ""
+                    while "listening" not in log and serve.poll() is None and time.monotonic() < deadline:
+                        log += serve.stderr.readline()
+                    assert "listening" in log, log
+                    st = os.stat(victim)
+                    assert (st.st_mode & 0o777, st.st_gid) == (0o600, 0), f"start {start}: victim now {st}"
+                finally:
+                    serve.terminate()
+                    serve.wait(10)
+                    shutil.rmtree(workdir, ignore_errors=True)
+        finally:
+            attacker.kill()
+            attacker.wait()
+        st = os.stat(victim)
+        assert (st.st_mode & 0o777, st.st_gid) == (0o600, 0), st
+    finally:
+        shutil.rmtree(sockdir, ignore_errors=True)
+        shutil.rmtree(victim_dir, ignore_errors=True)
+
+
+# As the owner of the socket directory: keep swapping the socket path for a
+# symlink to the victim (what a racing `chmod(path)` would follow).
+SWAPPER = r"""
+import os, sys
+sock, victim, uid, gid = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+os.setgroups([]); os.setgid(gid); os.setuid(uid)
+tmp = sock + ".lnk"
+while True:
+    try:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        os.symlink(victim, tmp)
+        os.replace(tmp, sock)
+    except OSError:
+        pass
+"""
+
+
+def test_a_reopen_tells_a_user_nothing_of_paths_they_cannot_search(
+    other_user: tuple[int, int, int]
+) -> None:
+    """Finding 12 of issue 22: a file closed by the open-files bound was
+    opened again by path with the daemon's (root's) rights, so a user who
+    swapped it for a symlink into a directory closed to them learnt from the
+    error whether the target existed. Reopens now carry the client's rights:
+    both targets give the same refusal."""
+    uid, gid, extra_gid = other_user
+    with _root_daemon_and_files(uid, limits="max_open_files = 1\n") as (public, secret, d):
+        mine = public.parent / "mine"
+        mine.mkdir(mode=0o755)
+        for name in ("a.h5", "b.h5"):
+            write_rows(mine / name, np.arange(8, dtype="<i4").reshape(4, 2))
+        for p in (mine, mine / "a.h5", mine / "b.h5"):
+            os.chown(p, uid, gid)
+        messages = {}
+        for target in ("s.h5", "nothing-here.h5"):
+            args = {"socket": d.socket, "files": str(mine / "*.h5"), "uid": uid, "gid": gid, "groups": [extra_gid],
+                    "swap": str(mine / "a.h5"), "target": str(secret / target)}
+            res = subprocess.run([sys.executable, "-c", REOPENER, json.dumps(args)], capture_output=True, text=True,
+                                 timeout=SUBPROCESS_TIMEOUT_S)
+            assert res.returncode == 0, res.stderr
+            got = json.loads(res.stdout.strip().splitlines()[-1])
+            assert "error" in got, got
+            messages[target] = got["message"].replace(target, "TARGET")
+            (mine / "a.h5").unlink()
+            write_rows(mine / "a.h5", np.arange(8, dtype="<i4").reshape(4, 2))
+            os.chown(mine / "a.h5", uid, gid)
+        assert messages["s.h5"] == messages["nothing-here.h5"], messages
+        assert d.alive(), d.stderr()
+
+
+# As the user: read both files of a dataset (the bound of one open file closes
+# a.h5 to open b.h5), swap a.h5 for a symlink, and read a.h5 again.
+REOPENER = r"""
+import json, os, sys
+import numpy as np
+import stoker
+args = json.loads(sys.argv[1])
+os.setgroups(args["groups"]); os.setgid(args["gid"]); os.setuid(args["uid"])
+loader = stoker.Loader(stoker.hdf5(args["files"], fields={"x": "x"}), batch_size=4, shuffle=False,
+                       socket=args["socket"], timeout=60, reconnect=0)
+list(loader)
+os.unlink(args["swap"])
+os.symlink(args["target"], args["swap"])
+try:
+    # The ring may hold batches read ahead before the swap: read past them.
+    for _ in range(6):
+        list(loader)
+    print(json.dumps({"ok": True}))
+except stoker.StokerError as e:
+    print(json.dumps({"error": type(e).__name__, "message": str(e)}))
+"""

@@ -83,6 +83,10 @@ pub struct FileId {
     /// so a user's new file that reuses a freed inode and copies its size and
     /// mtime is still another file to the caches.
     pub ctime_ns: i128,
+    /// Birth time (`statx`'s `btime`), in nanoseconds since the epoch, where
+    /// the file system records it (ext4, xfs, btrfs; else 0). Also set by the
+    /// kernel alone: an inode freed and handed to a new file is born again.
+    pub btime_ns: i128,
 }
 
 impl FileId {
@@ -98,6 +102,12 @@ impl FileId {
             size: m.size(),
             mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
             ctime_ns: i128::from(m.ctime()) * 1_000_000_000 + i128::from(m.ctime_nsec()),
+            // std reads it with statx where the kernel and file system have it.
+            btime_ns: m
+                .created()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| i128::try_from(d.as_nanos()).unwrap_or(0)),
         }
     }
 
@@ -106,7 +116,7 @@ impl FileId {
     /// differs) is not a change of contents: a stream reading the file goes
     /// on, while the caches, keyed by the whole identity, start afresh.
     pub fn change(&self, now: &FileId) -> Option<FileChange> {
-        if (self.dev, self.ino) != (now.dev, now.ino) {
+        if (self.dev, self.ino, self.btime_ns) != (now.dev, now.ino, now.btime_ns) {
             Some(FileChange::Replaced)
         } else if self.size != now.size {
             Some(FileChange::Resized { from: self.size, to: now.size })
@@ -373,6 +383,14 @@ pub fn reopen_same(canonical: &Path, root: Option<&Path>, id: &FileId) -> Result
         None => Ok(opened.file),
         Some(change) => Err(ChangedError::Changed(change)),
     }
+}
+
+/// [`reopen_same`] with `rights`: a file closed to bound open files (or
+/// opened again after its check) is reopened by path with the rights it was
+/// first opened with, never the daemon's, so the reopen of a client's file
+/// tells nothing of paths the client may not see.
+pub fn reopen_as(rights: Rights, canonical: &Path, root: Option<&Path>, id: &FileId) -> Result<File, ChangedError> {
+    with_rights(rights, || reopen_same(canonical, root, id)).map_err(ChangedError::Reopen)?
 }
 
 fn path_flags() -> OFlags {

@@ -59,7 +59,8 @@ fn check_hdf5(config: &Config, ds: &Hdf5Dataset) -> Option<(Vec<String>, String)
     let opened = hdf5::check_files(&spec, None).and_then(|files| {
         let cache = stoker_data::cache::CacheCtx::disabled();
         let limit = OpenFiles::new(config.limits.max_open_files);
-        let source = Hdf5Source::open(&spec, files, cache, limit, Arc::new(hdf5::LocalOpener))?;
+        let source =
+            Hdf5Source::open(&spec, files, cache, limit, Arc::new(hdf5::LocalOpener), fsaccess::Rights::Daemon)?;
         if chains.is_empty() {
             return Ok(());
         }

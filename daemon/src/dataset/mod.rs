@@ -209,7 +209,8 @@ impl Datasets {
             (Resolved::Hdf5(spec, chains), Files::Hdf5(files)) => {
                 let opener = self.helpers.opener(spec.domain.is_some().then_some(peer));
                 let source: Arc<dyn Source> = Arc::new(
-                    Hdf5Source::open(&spec, files, cache, self.open_files.clone(), opener).map_err(WireError::from)?,
+                    Hdf5Source::open(&spec, files, cache, self.open_files.clone(), opener, rights)
+                        .map_err(WireError::from)?,
                 );
                 if chains.is_empty() {
                     source

@@ -99,8 +99,8 @@ fn generation_fingerprints_keep_their_historical_values() {
     // Loader state saved by earlier versions compares against these: the
     // same files and keys must give the same values forever.
     let ids = [
-        FileId { dev: 1, ino: 2, size: 3, mtime_ns: 4, ctime_ns: 9 },
-        FileId { dev: 5, ino: 6, size: 7, mtime_ns: -8, ctime_ns: 10 },
+        FileId { dev: 1, ino: 2, size: 3, mtime_ns: 4, ctime_ns: 9, btime_ns: 11 },
+        FileId { dev: 5, ino: 6, size: 7, mtime_ns: -8, ctime_ns: 10, btime_ns: 12 },
     ];
     let paths = [Path::new("/data/a.h5"), Path::new("/data/b.h5")];
     assert_eq!(files_fingerprint(paths.into_iter(), &ids).finish(), 0xd00c_3904_2736_c92d);

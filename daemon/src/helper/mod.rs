@@ -1,10 +1,10 @@
 //! HDF5 helper processes: the daemon never runs libhdf5 on a file a client
 //! names. Each trust domain (a client uid for its ad-hoc datasets; the
 //! daemon itself for datasets named in the config) has one helper process,
-//! started on first use with that domain's credentials ([`process`]), which
+//! started on first use with that domain's credentials (`process.rs`), which
 //! opens the files the daemon passes it and answers with plain facts
 //! (shapes, types, layouts, chunk locations) and, for fields only libhdf5
-//! reads, the bytes ([`wire`], [`serve`]). The daemon checks every number
+//! reads, the bytes (`wire.rs`, [`serve`]). The daemon checks every number
 //! before it reads a byte (`FieldReader::from_facts`, `check_sizes`) and
 //! reads the fast paths itself.
 //!

@@ -198,7 +198,6 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// configured mode and group.
 pub fn bind(path: &Path, settings: &Settings) -> anyhow::Result<UnixListener> {
     use anyhow::Context;
-    use std::os::unix::fs::PermissionsExt;
     if path.exists() {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
             anyhow::bail!(
@@ -208,17 +207,62 @@ pub fn bind(path: &Path, settings: &Settings) -> anyhow::Result<UnixListener> {
         }
         std::fs::remove_file(path).with_context(|| format!("cannot remove stale socket {}", path.display()))?;
     }
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create socket directory {}", dir.display()))?;
-    }
-    let listener = UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))?;
-    if let Some(gid) = settings.socket_gid {
-        std::os::unix::fs::chown(path, None, Some(gid))
-            .with_context(|| format!("cannot give socket {} to group {gid} ([server] socket_group)", path.display()))?;
-    }
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(settings.socket_mode))
-        .with_context(|| format!("cannot set mode {:o} on socket {}", settings.socket_mode, path.display()))?;
-    Ok(listener)
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create socket directory {}", dir.display()))?;
+    let name = path.file_name().with_context(|| format!("socket path {} names no file", path.display()))?;
+    let listener = bind_private(dir, name, settings)
+        .with_context(|| format!("cannot listen on {} with mode {:o}", path.display(), settings.socket_mode))?;
+    listener.set_nonblocking(true)?;
+    Ok(UnixListener::from_std(listener)?)
+}
+
+/// Binds the socket in a fresh directory only the daemon can enter, sets its
+/// group and mode there (through that directory's descriptor: nothing on the
+/// way is a path another user controls), and renames it into `dir` as
+/// `name`. Setting them by path after `bind` would follow a symlink an
+/// attacker put there: in a socket directory a user can write, a root daemon
+/// would change the mode and group of a file of the attacker's choosing.
+fn bind_private(
+    dir: &Path,
+    name: &std::ffi::OsStr,
+    settings: &Settings,
+) -> std::io::Result<std::os::unix::net::UnixListener> {
+    use rustix::fs::{AtFlags, Mode, OFlags};
+    let parent = rustix::fs::open(dir, OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())?;
+    let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    let private = format!(".stoker-bind-{}-{nonce:x}", std::process::id());
+    rustix::fs::mkdirat(&parent, private.as_str(), Mode::RWXU)?;
+    let result = (|| {
+        let own = rustix::fs::openat(
+            &parent,
+            private.as_str(),
+            OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        let st = rustix::fs::fstat(&own)?;
+        if st.st_uid != rustix::process::geteuid().as_raw() || st.st_mode & 0o077 != 0 {
+            return Err(std::io::Error::other("the private bind directory was replaced"));
+        }
+        // Through the directory's descriptor: short, and no path component
+        // another user can swap.
+        let at = format!("/proc/self/fd/{}/s", std::os::fd::AsRawFd::as_raw_fd(&own));
+        let listener = std::os::unix::net::UnixListener::bind(&at)?;
+        let placed = (|| {
+            if let Some(gid) = settings.socket_gid {
+                let gid = Some(rustix::fs::Gid::from_raw(gid));
+                rustix::fs::chownat(&own, "s", None, gid, AtFlags::SYMLINK_NOFOLLOW)?;
+            }
+            rustix::fs::chmodat(&own, "s", Mode::from_raw_mode(settings.socket_mode), AtFlags::empty())?;
+            rustix::fs::renameat(&own, "s", &parent, name)
+        })();
+        if let Err(e) = placed {
+            let _ = rustix::fs::unlinkat(&own, "s", AtFlags::empty());
+            return Err(e.into());
+        }
+        Ok(listener)
+    })();
+    let _ = rustix::fs::unlinkat(&parent, private.as_str(), AtFlags::REMOVEDIR);
+    result
 }
 
 /// Serves clients on `listener` until `shutdown` resolves, then stops

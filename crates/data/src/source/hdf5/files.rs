@@ -261,7 +261,8 @@ pub(super) fn open_file(
         // HDF5 path, how it is stored and decoded, and whose helper said so
         // (a user's helper speaks only for that user's datasets).
         let cache_id = crate::cache::space_id(id, h5path, &(spec.domain, facts.dtype, &facts.chunk, &facts.layout));
-        let reader = FieldReader::from_facts(facts, index, lib.clone(), cache_id).map_err(|e| at.error(e))?;
+        let reader =
+            FieldReader::from_facts(facts, index, lib.clone(), cache_id).map_err(|e| at.error(e.to_string()))?;
         specs.push(FieldSpec {
             name: name.clone(),
             origin: h5path.clone(),

@@ -121,18 +121,23 @@ pub struct Hdf5Source {
     limit: Arc<OpenFiles>,
     /// Where libhdf5 runs (opens and reopens).
     opener: Arc<dyn Hdf5Opener>,
+    /// Whose rights files are (re)opened with.
+    rights: fsaccess::Rights,
 }
 
 impl Hdf5Source {
     /// Opens the dataset over `opened`, the files of the spec's glob from
     /// [`check_files`], in order (each must still be the file checked), with
-    /// libhdf5 where `opener` runs it.
+    /// libhdf5 where `opener` runs it; files are opened again (after the
+    /// check, and after the open-files bound closed them) with `rights`, those
+    /// of whoever asked for the dataset.
     pub fn open(
         spec: &Hdf5Spec,
         opened: Vec<fsaccess::Checked>,
         cache: CacheCtx,
         limit: Arc<OpenFiles>,
         opener: Arc<dyn Hdf5Opener>,
+        rights: fsaccess::Rights,
     ) -> Result<Hdf5Source, SourceError> {
         let pattern = &spec.files;
         let (roles, geometry) = roles(spec).map_err(|e| match e {
@@ -148,7 +153,7 @@ impl Hdf5Source {
         let mut starts = vec![0u64];
         let mut read_paths = ReadPaths::default();
         for checked in opened {
-            let raw = fsaccess::reopen_same(&checked.canonical, checked.root.as_deref(), &checked.id)
+            let raw = fsaccess::reopen_as(rights, &checked.canonical, checked.root.as_deref(), &checked.id)
                 .map_err(|problem| SourceError::Changed { path: checked.path.clone(), problem })?;
             // libhdf5 shares one open of a file (by device and inode) among its
             // handles: an older open of this file from before it changed would
@@ -203,7 +208,7 @@ impl Hdf5Source {
             return Err(SourceError::Empty { pattern: pattern.to_string() });
         }
         read_paths.log(pattern, cache.caches.chunks.capacity() as u64);
-        Ok(Hdf5Source { spec: spec.clone(), fields, roles, geometry, files, starts, cache, limit, opener })
+        Ok(Hdf5Source { spec: spec.clone(), fields, roles, geometry, files, starts, cache, limit, opener, rights })
     }
 
     /// The file's handles, opening it again if it was closed to bound open
@@ -218,7 +223,7 @@ impl Hdf5Source {
         if let Some(handle) = slot.as_ref() {
             return Ok(handle.clone());
         }
-        let raw = fsaccess::reopen_same(&file.canonical, file.root.as_deref(), &file.id).map_err(changed)?;
+        let raw = fsaccess::reopen_as(self.rights, &file.canonical, file.root.as_deref(), &file.id).map_err(changed)?;
         let (handle, ..) = open_file(
             &file.path,
             &file.id,

@@ -109,6 +109,34 @@ pub(crate) struct FieldReader {
     index: usize,
 }
 
+/// Facts about a field that cannot be true of an HDF5 dataset (a corrupt
+/// file, or a helper that lies): the field is refused, naming them.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BadFacts {
+    /// The dataset's bytes do not fit in 64 bits.
+    #[error("has shape {shape:?}, whose bytes do not fit in 64 bits")]
+    Shape {
+        /// The shape reported.
+        shape: Vec<u64>,
+    },
+    /// Chunks of another rank than the dataset, or with an empty extent.
+    #[error("declares chunks of {chunk:?} for a dataset of shape {shape:?}")]
+    Chunk {
+        /// The chunk shape reported.
+        chunk: Vec<u64>,
+        /// The dataset shape reported.
+        shape: Vec<u64>,
+    },
+    /// A fill value that is not one element.
+    #[error("declares a fill value of {fill} bytes for {elem}-byte elements")]
+    Fill {
+        /// Bytes of the fill value.
+        fill: usize,
+        /// Bytes of one element.
+        elem: usize,
+    },
+}
+
 /// The chunk cache, and which samples a chunk read for this block serves.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ChunkUse<'a> {
@@ -131,21 +159,21 @@ impl FieldReader {
         index: usize,
         lib: Arc<dyn LibFile>,
         cache_id: u64,
-    ) -> Result<FieldReader, String> {
+    ) -> Result<FieldReader, BadFacts> {
         let dims = facts.shape.clone();
         let elem = facts.dtype.size();
         if dims.iter().try_fold(elem as u64, |acc, &d| acc.checked_mul(d)).is_none() {
-            return Err(format!("has shape {dims:?}, whose bytes do not fit in 64 bits"));
+            return Err(BadFacts::Shape { shape: dims });
         }
         let layout = match &facts.layout {
             LayoutFacts::Contiguous { offset } => Layout::Contiguous { offset: *offset },
             LayoutFacts::Library { reason } => Layout::Library { reason: reason.clone() },
             LayoutFacts::Chunked { chunk, filters, fill } => {
                 if chunk.len() != dims.len() || chunk.contains(&0) {
-                    return Err(format!("declares chunks of {chunk:?} for a dataset of shape {dims:?}"));
+                    return Err(BadFacts::Chunk { chunk: chunk.clone(), shape: dims });
                 }
                 if fill.len() != elem {
-                    return Err(format!("declares a fill value of {} bytes for {}-byte elements", fill.len(), elem));
+                    return Err(BadFacts::Fill { fill: fill.len(), elem });
                 }
                 let chunk_bytes = chunk
                     .iter()
