@@ -914,3 +914,52 @@ try:
 except stoker.StokerError as e:
     print(json.dumps({"error": type(e).__name__, "message": str(e)}))
 """
+
+
+def test_an_lmdb_environment_swapped_for_a_fifo_blocks_no_other_open(
+    start_daemon: Callable[..., Daemon], stoker: Any, tmp_path: Path
+) -> None:
+    """Finding 5 of issue 22: LMDB environments were opened again by name
+    (`mdb_env_open(path)`) after the checked open, with the process-wide
+    table locked; a user swapping their `data.mdb` for a FIFO in a loop left
+    a daemon thread blocked in the FIFO's open, and every other LMDB open
+    waited behind it. LMDB now maps the data file checked by handle, and the
+    table is never locked across an open."""
+    rows = {key(i): bytes([i]) * 4 for i in range(8)}
+    good = write_env(tmp_path / "good.lmdb", rows)
+    evil = write_env(tmp_path / "evil.lmdb", rows)
+    fifo = evil / "fifo"
+    os.mkfifo(fifo)
+    # Every open maps the environment anew (nothing stays open between Loaders).
+    d = start_daemon(extra="[limits]\nidle_close_s = 0\n")
+    # Another process (this one's GIL is held while a Loader opens).
+    swapper = subprocess.Popen([sys.executable, "-c", EXCHANGER, str(evil / "data.mdb"), str(fifo)])
+    try:
+        spec = stoker.lmdb(str(evil), fields={"x": {"codec": "raw", "dtype": "uint8", "shape": [4]}})
+        for _ in range(1000):
+            try:
+                loader = stoker.Loader(spec, batch_size=8, socket=d.socket, timeout=2, reconnect=0)
+                list(loader)
+                loader.close()
+            except (stoker.DatasetError, stoker.AccessDenied, stoker.Timeout):
+                pass
+    finally:
+        swapper.kill()
+        swapper.wait()
+    # Another environment opens at once.
+    spec = stoker.lmdb(str(good), fields={"x": {"codec": "raw", "dtype": "uint8", "shape": [4]}})
+    start = time.monotonic()
+    x = read_all(stoker, spec, d.socket)
+    assert time.monotonic() - start < 10
+    assert sorted(x[:, 0].tolist()) == list(range(8))
+    assert d.alive(), d.stderr()
+
+
+# Swaps two paths (renameat2 RENAME_EXCHANGE) as fast as it can, until killed.
+EXCHANGER = r"""
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+a, b = sys.argv[1].encode(), sys.argv[2].encode()
+while True:
+    libc.renameat2(-100, a, -100, b, 2)
+"""

@@ -453,6 +453,7 @@ fn open_files(resolved: &Resolved, roots: Option<&[PathBuf]>) -> Result<Files, S
                 let data = if env.is_dir { fsaccess::open_in(&env, "data.mdb")? } else { env };
                 ids.push(data.id);
                 checked.envs.push((field.env.clone(), data.id));
+                checked.data.push((field.env.clone(), data.file));
             }
             if let Some(path) = &spec.key_file {
                 let key_file = fsaccess::open(path, roots, Want::File)?;

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, LazyLock, Mutex, PoisonError, Weak};
 
@@ -24,52 +25,84 @@ impl fmt::Debug for SharedEnv {
     }
 }
 
-/// Environments open in this process, by canonical path: one mapping per
-/// environment, until a read finds its file truncated or corrupt.
-pub(super) static OPEN_ENVS: LazyLock<Mutex<HashMap<PathBuf, Weak<SharedEnv>>>> = LazyLock::new(Default::default);
+/// Environments open in this process, by data file (inode, or canonical path
+/// where no checked handle was given): one mapping per environment, until a
+/// read finds its file truncated or corrupt.
+pub(super) static OPEN_ENVS: LazyLock<Mutex<HashMap<EnvKey, Weak<SharedEnv>>>> = LazyLock::new(Default::default);
+
+/// What identifies an environment in [`OPEN_ENVS`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(super) enum EnvKey {
+    /// The data file's device and inode (opened by handle).
+    Inode(u64, u64),
+    /// The canonical path (opened by name: the CLI and tests).
+    Path(PathBuf),
+}
 
 impl SharedEnv {
-    pub(super) fn open(path: &Path) -> Result<Arc<SharedEnv>, SourceError> {
+    /// The environment at `path`, opened once per process. With `data`, its
+    /// data file as checked by handle (the daemon's case), it is opened and
+    /// found by that inode alone: no path is resolved again, with the
+    /// daemon's rights or at all. The process-wide table is never locked
+    /// across an open.
+    pub(super) fn open(path: &Path, data: Option<&std::fs::File>) -> Result<Arc<SharedEnv>, SourceError> {
         let open_err = |message: String| SourceError::LmdbOpen { env: path.to_owned(), message };
-        let canonical = path.canonicalize().map_err(|e| open_err(format!("{e}")))?;
-        let mut open = OPEN_ENVS.lock().unwrap_or_else(PoisonError::into_inner);
+        let (key, single_file) = match data {
+            Some(file) => {
+                let m = file.metadata().map_err(|e| open_err(format!("{e}")))?;
+                (EnvKey::Inode(m.dev(), m.ino()), true)
+            }
+            None => {
+                let canonical = path.canonicalize().map_err(|e| open_err(format!("{e}")))?;
+                let single_file = canonical.is_file();
+                if !single_file && !canonical.join("data.mdb").is_file() {
+                    return Err(open_err(
+                        "is a directory without data.mdb; give the environment directory, or its data file for \
+                         environments written with subdir=False"
+                            .into(),
+                    ));
+                }
+                (EnvKey::Path(canonical), single_file)
+            }
+        };
         // A poisoned environment is never handed out again: the file may have
         // been restored since, and a fresh mapping reads it anew.
         // Nor is one whose file was written since it was mapped (a dataset
         // opened again to see new keys): beginning a transaction checks that.
         let current = |e: &Arc<SharedEnv>| e.env.poisoned().is_none() && e.env.txn().is_ok();
-        if let Some(env) = open.get(&canonical).and_then(Weak::upgrade).filter(current) {
+        let known = OPEN_ENVS.lock().unwrap_or_else(PoisonError::into_inner).get(&key).and_then(Weak::upgrade);
+        if let Some(env) = known.filter(current) {
             return Ok(env);
-        }
-        let single_file = canonical.is_file();
-        if !single_file && !canonical.join("data.mdb").is_file() {
-            return Err(open_err(
-                "is a directory without data.mdb; give the environment directory, or its data file for \
-                 environments written with subdir=False"
-                    .into(),
-            ));
         }
         // Read-only and without the lock file (MDB_NOLOCK): a served dataset
         // is not written (documented at the top of this module), so no
         // writer recycles pages under our readers.
-        let env = MappedEnv::open(&canonical, single_file).map_err(|e| match e {
+        let env = MappedEnv::open(path, single_file, data).map_err(|e| match e {
             GuardError::Corrupt(message) => open_err(message),
             GuardError::Lmdb(message) => {
-                let data = if single_file { canonical.clone() } else { canonical.join("data.mdb") };
-                match std::fs::metadata(&data) {
+                let size = match data {
+                    Some(file) => file.metadata().map(|m| m.len()),
+                    None if single_file => std::fs::metadata(path).map(|m| m.len()),
+                    None => std::fs::metadata(path.join("data.mdb")).map(|m| m.len()),
+                };
+                match size {
                     // Two meta pages of at least 4 KiB start every environment.
-                    Ok(meta) if meta.len() < 8192 => open_err(format!(
-                        "not a readable LMDB environment ({message}): its data file {} is only {} bytes, \
-                         truncated or not LMDB; rebuild or restore the environment",
-                        data.display(),
-                        meta.len()
+                    Ok(len) if len < 8192 => open_err(format!(
+                        "not a readable LMDB environment ({message}): its data file is only {len} bytes, \
+                         truncated or not LMDB; rebuild or restore the environment"
                     )),
                     _ => open_err(format!("not a readable LMDB environment: {message}")),
                 }
             }
         })?;
         let shared = Arc::new(SharedEnv { path: path.to_owned(), env });
-        open.insert(canonical, Arc::downgrade(&shared));
+        let mut open = OPEN_ENVS.lock().unwrap_or_else(PoisonError::into_inner);
+        // Another open of the same environment may have finished meanwhile: keep one.
+        if let Some(env) = open.get(&key).and_then(Weak::upgrade).filter(current) {
+            return Ok(env);
+        }
+        open.retain(|_, w| w.strong_count() > 0);
+        open.insert(key, Arc::downgrade(&shared));
         Ok(shared)
     }
 

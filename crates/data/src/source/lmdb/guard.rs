@@ -177,16 +177,29 @@ impl MappedEnv {
     /// Opens `path` (a directory holding `data.mdb`, or with `single_file`
     /// the data file) and checks the file holds every page the environment
     /// says it uses, so a file truncated at rest is refused here.
-    pub fn open(path: &Path, single_file: bool) -> Result<MappedEnv, GuardError> {
+    ///
+    /// With `data`, the data file already opened (and checked) by handle,
+    /// LMDB opens that very inode through `/proc/self/fd/N` (`MDB_NOSUBDIR`):
+    /// no path is looked up again, so nothing swapped in since (a FIFO, a
+    /// symlink) is opened, and `path` only names it in messages.
+    pub fn open(path: &Path, single_file: bool, data: Option<&std::fs::File>) -> Result<MappedEnv, GuardError> {
         install_handler();
         let data_file = if single_file { path.to_owned() } else { path.join("data.mdb") };
-        let c_path = CString::new(path.as_os_str().as_bytes())
+        let target = match data {
+            Some(file) => crate::fsaccess::fd_path(file),
+            None => path.to_owned(),
+        };
+        let c_path = CString::new(target.as_os_str().as_bytes())
             .map_err(|_| GuardError::Lmdb("the path contains a NUL byte".into()))?;
         let mut flags = MDB_RDONLY | MDB_NOLOCK | MDB_NORDAHEAD;
-        if single_file {
+        if single_file || data.is_some() {
             flags |= MDB_NOSUBDIR;
         }
-        let before = std::fs::metadata(&data_file)
+        let stat = match data {
+            Some(file) => file.metadata(),
+            None => std::fs::metadata(&data_file),
+        };
+        let before = stat
             .map(|m| file_mappings(std::os::unix::fs::MetadataExt::dev(&m), std::os::unix::fs::MetadataExt::ino(&m)))
             .unwrap_or_default();
         let mut env = ptr::null_mut();
@@ -202,7 +215,15 @@ impl MappedEnv {
         if rc != 0 {
             // LMDB sizes its map from the header: a header claiming more pages
             // than the file holds fails here (ENOMEM, say) and deserves a clearer word.
-            if let Some(why) = header_problem(&mapped.data_file) {
+            let reopened;
+            let file = match data {
+                Some(file) => Some(file),
+                None => {
+                    reopened = std::fs::File::open(&mapped.data_file).ok();
+                    reopened.as_ref()
+                }
+            };
+            if let Some(why) = file.and_then(header_problem) {
                 return Err(mapped.corrupt(why));
             }
             return Err(mapped.error(rc, "opening"));
@@ -360,12 +381,11 @@ impl MappedEnv {
 
 /// Reads the meta pages with plain reads (no map) and says why the file
 /// cannot hold what its newest valid header describes, if it cannot.
-fn header_problem(data_file: &Path) -> Option<String> {
+fn header_problem(file: &std::fs::File) -> Option<String> {
     use std::os::unix::fs::FileExt;
     // MDB_meta after the 16-byte page header: magic u32 @16, psize (the free
     // database's md_pad) u32 @40, mm_last_pg u64 @136, mm_txnid u64 @144.
     const MAGIC: u32 = 0xBEEF_C0DE;
-    let file = std::fs::File::open(data_file).ok()?;
     let len = file.metadata().ok()?.len();
     let meta = |at: u64| -> Option<(u32, u64, u64)> {
         let mut page = [0u8; 152];
@@ -601,7 +621,7 @@ mod tests {
     fn reads_copy_values_and_list_keys() {
         let dir = tempfile::tempdir().unwrap();
         write_env(dir.path(), 20, 9000);
-        let env = MappedEnv::open(dir.path(), false).unwrap();
+        let env = MappedEnv::open(dir.path(), false, None).unwrap();
         let txn = env.txn().unwrap();
         let mut buf = Vec::new();
         assert!(txn.read(b"k007", &mut buf).unwrap());
@@ -624,7 +644,7 @@ mod tests {
         let data = write_env(dir.path(), 20, 9000);
         let len = std::fs::metadata(&data).unwrap().len();
         truncate(&data, len - 1);
-        let err = MappedEnv::open(dir.path(), false).unwrap_err();
+        let err = MappedEnv::open(dir.path(), false, None).unwrap_err();
         assert!(matches!(&err, GuardError::Corrupt(m) if m.contains("is truncated")), "{err}");
     }
 
@@ -632,7 +652,7 @@ mod tests {
     fn truncated_while_open_fails_the_read_and_poisons() {
         let dir = tempfile::tempdir().unwrap();
         let data = write_env(dir.path(), 40, 9000);
-        let env = MappedEnv::open(dir.path(), false).unwrap();
+        let env = MappedEnv::open(dir.path(), false, None).unwrap();
         let txn = env.txn().unwrap();
         let value = txn.get(b"k039").unwrap().unwrap();
         // The value's pages (near the end of the file) go; the meta pages stay.
@@ -650,13 +670,13 @@ mod tests {
     fn header_beyond_the_file_is_described() {
         let dir = tempfile::tempdir().unwrap();
         let data = write_env(dir.path(), 5, 100);
-        assert_eq!(header_problem(&data), None);
+        assert_eq!(header_problem(&std::fs::File::open(&data).unwrap()), None);
         let file = std::fs::OpenOptions::new().write(true).open(&data).unwrap();
         use std::os::unix::fs::FileExt;
         for meta in [0u64, 4096] {
             file.write_all_at(&(1u64 << 40).to_ne_bytes(), meta + 136).unwrap();
         }
-        let problem = header_problem(&data).unwrap();
+        let problem = header_problem(&std::fs::File::open(&data).unwrap()).unwrap();
         assert!(problem.contains("is truncated or corrupt") && problem.contains("1099511627776"), "{problem}");
     }
 

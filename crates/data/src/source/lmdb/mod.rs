@@ -64,6 +64,9 @@ pub struct CheckedLmdb {
     pub envs: Vec<(PathBuf, FileId)>,
     /// The key file's handle.
     pub key_file: Option<File>,
+    /// Per environment path: its data file, opened by handle (what LMDB
+    /// maps; no path is opened again).
+    pub data: Vec<(PathBuf, File)>,
 }
 
 impl CheckedLmdb {

@@ -125,7 +125,8 @@ fn open_envs(spec: &LmdbSpec, checked: &CheckedLmdb) -> Result<(Vec<Arc<SharedEn
     let mut envs: Vec<Arc<SharedEnv>> = Vec::new();
     let mut env_of = Vec::with_capacity(spec.fields.len());
     for field in &spec.fields {
-        let env = SharedEnv::open(&field.env)?;
+        let data = checked.data.iter().find(|(p, _)| *p == field.env).map(|(_, f)| f);
+        let env = SharedEnv::open(&field.env, data)?;
         let (dev, ino, _) = env.env.file_id().map_err(|e| SourceError::LmdbOpen {
             env: field.env.clone(),
             message: format!("cannot check its data file: {e}"),

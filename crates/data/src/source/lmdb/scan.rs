@@ -34,7 +34,7 @@ pub struct EnvScan {
 /// Scans an environment for `stoker inspect`: counts keys, sniffs the
 /// format of the first `probe` sample values and probes their shapes.
 pub fn scan(path: &Path, probe: usize) -> Result<EnvScan, SourceError> {
-    let env = SharedEnv::open(path)?;
+    let env = SharedEnv::open(path, None)?;
     let err = |e: GuardError| SourceError::LmdbOpen { env: path.to_owned(), message: e.to_string() };
     let txn = env.env.txn().map_err(err)?;
     let mut cursor = txn.cursor().map_err(err)?;
