@@ -371,9 +371,86 @@ pub struct Caches {
     pub chunks: ChunkCache,
     /// Decoded samples.
     pub samples: SampleCache,
+    /// Bytes of chunk decode buffers all workers hold at once
+    /// ([`Caches::bound_decoding`]; unbounded until then).
+    pub decode: DecodeBudget,
+}
+
+/// The bytes of decode buffers (a chunk's stored bytes and its decoded
+/// bytes) every worker together may hold at once: without it each worker
+/// may decode a chunk of `max_sample_bytes` at the same time, and a small
+/// file of two chunks of zeros took the daemon to 1 GiB per worker. A worker
+/// reserves what it will allocate before it allocates, waiting while others
+/// hold the budget; what can never fit is refused at once.
+#[derive(Debug)]
+pub struct DecodeBudget {
+    limit: std::sync::atomic::AtomicU64,
+    used: Mutex<u64>,
+    freed: std::sync::Condvar,
+}
+
+/// Bytes reserved from a [`DecodeBudget`], given back on drop.
+#[derive(Debug)]
+pub struct DecodeLease<'a> {
+    budget: &'a DecodeBudget,
+    bytes: u64,
+}
+
+impl DecodeBudget {
+    fn new(limit: u64) -> DecodeBudget {
+        DecodeBudget {
+            limit: std::sync::atomic::AtomicU64::new(limit),
+            used: Mutex::new(0),
+            freed: std::sync::Condvar::new(),
+        }
+    }
+
+    /// The bound, in bytes.
+    pub fn limit(&self) -> u64 {
+        self.limit.load(Ordering::Relaxed)
+    }
+
+    /// Reserves `bytes`, waiting up to `wait` for others to give theirs
+    /// back; `Err(limit)` when they can never fit, or did not in time.
+    pub fn acquire(&self, bytes: u64, wait: std::time::Duration) -> Result<DecodeLease<'_>, u64> {
+        let limit = self.limit();
+        if bytes > limit {
+            return Err(limit);
+        }
+        let deadline = std::time::Instant::now() + wait;
+        let mut used = self.used.lock().unwrap_or_else(PoisonError::into_inner);
+        while *used + bytes > limit {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(limit);
+            }
+            used = self.freed.wait_timeout(used, left).unwrap_or_else(PoisonError::into_inner).0;
+        }
+        *used += bytes;
+        Ok(DecodeLease { budget: self, bytes })
+    }
+
+    /// Bytes reserved now.
+    pub fn used(&self) -> u64 {
+        *self.used.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Drop for DecodeLease<'_> {
+    fn drop(&mut self) {
+        let mut used = self.budget.used.lock().unwrap_or_else(PoisonError::into_inner);
+        *used = used.saturating_sub(self.bytes);
+        drop(used);
+        self.budget.freed.notify_all();
+    }
 }
 
 impl Caches {
+    /// Bounds the decode buffers all workers hold at once to `bytes`.
+    pub fn bound_decoding(&self, bytes: u64) {
+        self.decode.limit.store(bytes, Ordering::Relaxed);
+    }
+
     /// Caches of `chunk_bytes` and `sample_bytes` under `policy`.
     pub fn new(chunk_bytes: u64, sample_bytes: u64, policy: Policy) -> Arc<Caches> {
         let futures = Futures::new();
@@ -382,6 +459,7 @@ impl Caches {
             chunks: Cache::new(size(chunk_bytes), policy, futures.clone()),
             samples: Cache::new(size(sample_bytes), policy, futures.clone()),
             futures,
+            decode: DecodeBudget::new(u64::MAX),
         })
     }
 

@@ -102,6 +102,9 @@ impl Daemon {
             .thread_name(|i| format!("stoker-worker-{i}"))
             .build()?;
         let caches = Caches::new(settings.chunk_cache_bytes, settings.sample_cache_bytes, settings.cache_policy);
+        // Decode buffers of all workers together: one chunk of the largest
+        // size allowed, with its stored bytes, plus room for small ones.
+        caches.bound_decoding(settings.limits.max_sample_bytes.saturating_mul(2).saturating_add(64 << 20));
         let datasets = Datasets::new(settings.clone(), caches.clone());
         let load = Arc::new(Mutex::new(VecDeque::new()));
         let weak = Arc::downgrade(&load);

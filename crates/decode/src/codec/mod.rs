@@ -315,7 +315,7 @@ impl Codec {
             (Format::Jpeg, Wrap::None) => image::probe_jpeg(value),
             (format, wrap) => {
                 let mut plain = Vec::new();
-                wrap.decompress(value, &mut plain)?;
+                wrap.decompress(value, &mut plain, wrap::MAX_DECOMPRESSED as u64)?;
                 match format {
                     Format::Png => image::probe_png(&plain),
                     _ => image::probe_jpeg(&plain),
@@ -370,7 +370,7 @@ impl Codec {
                 let plain: &[u8] = match wrap {
                     Wrap::None => value,
                     _ => {
-                        wrap.decompress(value, scratch)?;
+                        wrap.decompress(value, scratch, wrap::wrapped_limit(expect.bytes() as u64))?;
                         scratch
                     }
                 };
@@ -406,7 +406,7 @@ impl Codec {
         let plain: &[u8] = match self.wrap {
             Wrap::None => value,
             wrap => {
-                wrap.decompress(value, scratch)?;
+                wrap.decompress(value, scratch, wrap::wrapped_limit(max_bytes))?;
                 scratch
             }
         };
@@ -451,7 +451,7 @@ impl Codec {
         let plain: &[u8] = match self.wrap {
             Wrap::None => value,
             wrap => {
-                wrap.decompress(value, scratch)?;
+                wrap.decompress(value, scratch, wrap::wrapped_limit(max_bytes))?;
                 scratch
             }
         };
@@ -489,7 +489,7 @@ impl Codec {
         let plain: &[u8] = match self.wrap {
             Wrap::None => value,
             wrap => {
-                wrap.decompress(value, scratch)?;
+                wrap.decompress(value, scratch, wrap::wrapped_limit(max_bytes))?;
                 scratch
             }
         };

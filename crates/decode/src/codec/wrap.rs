@@ -16,6 +16,14 @@ pub(super) const ZSTD_MAGIC: [u8; 4] = [0x28, 0xB5, 0x2F, 0xFD];
 /// make the daemon allocate without bound.
 pub const MAX_DECOMPRESSED: usize = 1 << 31;
 
+/// The most bytes a wrapped image (PNG/JPEG file bytes) may inflate to when
+/// its decoded array may take `decoded` bytes: image files hold no more
+/// than about their pixels (stored deflate blocks, JPEG at quality 100),
+/// so twice that and 1 MiB of headers is generous.
+pub(super) fn wrapped_limit(decoded: u64) -> u64 {
+    decoded.saturating_mul(2).saturating_add(1 << 20)
+}
+
 /// Compression around a stored value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Wrap {
@@ -58,16 +66,24 @@ impl Wrap {
         }
     }
 
-    /// Decompresses all of `value` into `out` (cleared first).
-    pub(super) fn decompress(self, value: &[u8], out: &mut Vec<u8>) -> Result<(), CodecError> {
+    /// Decompresses all of `value` into `out` (cleared first), refusing a
+    /// value that inflates to more than `limit` bytes (at most
+    /// [`MAX_DECOMPRESSED`]) before `out` grows past it.
+    pub(super) fn decompress(self, value: &[u8], out: &mut Vec<u8>, limit: u64) -> Result<(), CodecError> {
         out.clear();
+        let max = usize::try_from(limit).unwrap_or(usize::MAX).min(MAX_DECOMPRESSED);
         match self {
-            Wrap::Lz4 if !value.starts_with(&LZ4_FRAME_MAGIC) => self.lz4_block(value, out),
+            Wrap::Lz4 if !value.starts_with(&LZ4_FRAME_MAGIC) => {
+                self.lz4_block(value, out)?;
+                if out.len() > max {
+                    return Err(self.err(format!("value decompresses to more than {max} bytes")));
+                }
+                Ok(())
+            }
             _ => {
-                let limit = MAX_DECOMPRESSED as u64 + 1;
-                self.reader(value)?.take(limit).read_to_end(out).map_err(|e| self.err(e.to_string()))?;
-                if out.len() > MAX_DECOMPRESSED {
-                    return Err(self.err(format!("value decompresses to more than {MAX_DECOMPRESSED} bytes")));
+                self.reader(value)?.take(max as u64 + 1).read_to_end(out).map_err(|e| self.err(e.to_string()))?;
+                if out.len() > max {
+                    return Err(self.err(format!("value decompresses to more than {max} bytes")));
                 }
                 Ok(())
             }
@@ -131,5 +147,30 @@ impl Wrap {
             return Err(self.err(format!("block decompressed to {n} bytes, its prefix says {size}")));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 22, finding 7: a wrapped value inflated to 2 GiB before the
+    /// sample limit was checked. The limit now stops it as it inflates.
+    #[test]
+    fn a_wrapped_value_stops_inflating_at_its_limit() {
+        let zeros = vec![0u8; 8 << 20];
+        let packed = zstd::bulk::compress(&zeros, 3).unwrap();
+        let mut out = Vec::new();
+        let err = Wrap::Zstd.decompress(&packed, &mut out, 1 << 20).unwrap_err();
+        assert!(err.to_string().contains("more than 1048576 bytes"), "{err}");
+        assert!(out.capacity() <= 4 << 20, "grew to {} bytes before refusing", out.capacity());
+        Wrap::Zstd.decompress(&packed, &mut out, 16 << 20).unwrap();
+        assert_eq!(out, zeros);
+        let lz4 = lz4_flex::frame::FrameEncoder::new(Vec::new());
+        let mut lz4 = lz4;
+        std::io::Write::write_all(&mut lz4, &zeros).unwrap();
+        let framed = lz4.finish().unwrap();
+        assert!(Wrap::Lz4.decompress(&framed, &mut out, 1 << 20).is_err());
+        assert_eq!(wrapped_limit(100), 200 + (1 << 20));
     }
 }

@@ -20,6 +20,22 @@ pub enum FieldError {
          next read opens it again"
     )]
     Reopen,
+    /// Decoding the chunk needs more buffer bytes than the daemon-wide decode
+    /// budget allows at once, or the budget stayed taken too long.
+    #[error(
+        "{at}: decoding it needs {need} bytes of buffers and the daemon's decode budget ({limit} bytes for all \
+         workers together, 2 × [limits] max_sample_bytes + 64 MiB) {why}"
+    )]
+    DecodeBudget {
+        /// The chunk.
+        at: StoredChunk,
+        /// Bytes asked for.
+        need: u64,
+        /// The budget.
+        limit: u64,
+        /// "is smaller" or "stayed busy for 30 s".
+        why: &'static str,
+    },
     /// A helper was asked for a field it does not have.
     #[error("the HDF5 helper has no field {field}")]
     NoSuchField {

@@ -90,6 +90,9 @@ pub(crate) struct Chunked {
 /// epoch over them would otherwise keep one entry for each.
 const MAX_LOCATIONS: usize = 1 << 16;
 
+/// How long a worker waits for the decode budget before failing the sample.
+const DECODE_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// One field of one file.
 #[derive(Debug)]
 pub(crate) struct FieldReader {
@@ -275,10 +278,14 @@ impl FieldReader {
                 copy_region(c, self.elem, &chunk_start, start, count, from, dst)
                     .map_err(|error| FieldError::ChunkRead { chunk: chunk_start.clone(), error })?;
             } else {
-                let data = self.decoded_chunk(c, file, cache, linear, &chunk_start)?;
+                let mut lease = None;
+                let data = self.decoded_chunk(c, file, cache, linear, &chunk_start, &mut lease)?;
                 let from = data.as_deref().map_or(ChunkBytes::Fill(&c.fill), |d| ChunkBytes::Memory(d));
                 copy_region(c, self.elem, &chunk_start, start, count, from, dst)
                     .expect("copies from memory cannot fail");
+                // The decode buffers count against the budget until copied from.
+                drop(data);
+                drop(lease);
             }
             // Next chunk position (odometer over the grid range).
             let mut a = rank;
@@ -296,14 +303,17 @@ impl FieldReader {
         }
     }
 
-    /// The decoded bytes of one filtered chunk (cached), or `None` if it was never written.
-    fn decoded_chunk(
+    /// The decoded bytes of one filtered chunk (cached), or `None` if it was
+    /// never written. A chunk decoded here reserves its buffers from the
+    /// daemon-wide decode budget first; the reservation is left in `lease`.
+    fn decoded_chunk<'c>(
         &self,
         c: &Chunked,
         file: &File,
-        cache: &ChunkUse<'_>,
+        cache: &ChunkUse<'c>,
         linear: u64,
         chunk_start: &[u64],
+        lease: &mut Option<crate::cache::DecodeLease<'c>>,
     ) -> Result<Option<Arc<Vec<u8>>>, FieldError> {
         let key = Key { space: self.cache_id, item: linear };
         cache.ctx.caches.chunks.get_or_load(&key, cache.ctx.dataset, || {
@@ -318,6 +328,14 @@ impl FieldReader {
             if loc.size > max_stored(c.chunk_bytes) {
                 return Err(FieldError::Oversized { at: at(), chunk_bytes: c.chunk_bytes });
             }
+            let need = loc.size.saturating_add(c.chunk_bytes as u64);
+            let budget = &cache.ctx.caches.decode;
+            *lease = Some(budget.acquire(need, DECODE_WAIT).map_err(|limit| FieldError::DecodeBudget {
+                at: at(),
+                need,
+                limit,
+                why: if need > limit { "is smaller" } else { "stayed busy for 30 s" },
+            })?);
             let mut stored = vec![0u8; loc.size as usize];
             file.read_exact_at(&mut stored, addr).map_err(|error| FieldError::StoredRead { at: at(), error })?;
             let mut out = Vec::new();
