@@ -963,3 +963,56 @@ a, b = sys.argv[1].encode(), sys.argv[2].encode()
 while True:
     libc.renameat2(-100, a, -100, b, 2)
 """
+
+
+def test_one_users_many_loaders_leave_memory_for_another_user(stoker: Any, other_user: tuple[int, int, int]) -> None:
+    """Finding 10 of issue 22: budgets were per connection only, so one
+    user's Loaders could take the whole daemon budget (13 of them held 895
+    MiB of 1 GiB) and root's small stream got LimitError. Each uid's streams
+    now hold at most `max_memory_bytes_per_uid` (half the budget by default)."""
+    uid, gid, extra_gid = other_user
+    limits = "max_memory_bytes = 67108864\n"  # 64 MiB, no caches: 32 MiB per uid
+    extra = "[cache]\nchunk_bytes = 0\nsample_bytes = 0\n"
+    with _root_daemon_and_files(uid, extra=extra, limits=limits) as (public, secret, d):
+        big = public.parent / "big"
+        big.mkdir(mode=0o755)
+        write_rows(big / "b.h5", np.zeros((64, 262144), dtype=np.uint8))  # 256 KiB rows
+        hog = subprocess.Popen(
+            [sys.executable, "-c", HOG, json.dumps({"socket": d.socket, "files": str(big / "b.h5"), "uid": uid,
+                                                    "gid": gid, "groups": [extra_gid]})],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            line = hog.stdout.readline()
+            got = json.loads(line)
+            # 8 MiB rings (4 slots of 8 rows of 256 KiB): at most 4 fit in 32 MiB.
+            assert 1 <= got["opened"] <= 4, got
+            assert "max_memory_bytes_per_uid" in got["refusal"] and str(uid) in got["refusal"], got
+            # Root's stream of the same size still opens while the user's are held.
+            loader = stoker.Loader(stoker.hdf5(str(big / "b.h5"), fields={"x": "x"}), batch_size=8,
+                                   socket=d.socket, timeout=60)
+            assert next(iter(loader))["x"].shape == (8, 262144)
+            loader.close()
+        finally:
+            hog.stdin.close()
+            hog.wait(30)
+
+
+# As the user: open Loaders (8 MiB rings) until one is refused, report, and
+# hold them until stdin closes.
+HOG = r"""
+import json, os, sys
+import stoker
+args = json.loads(sys.argv[1])
+os.setgroups(args["groups"]); os.setgid(args["gid"]); os.setuid(args["uid"])
+held, refusal = [], ""
+for _ in range(32):
+    try:
+        held.append(stoker.Loader(stoker.hdf5(args["files"], fields={"x": "x"}), batch_size=8,
+                                  socket=args["socket"], timeout=60))
+    except stoker.LimitError as e:
+        refusal = str(e)
+        break
+print(json.dumps({"opened": len(held), "refusal": refusal}), flush=True)
+sys.stdin.read()
+"""

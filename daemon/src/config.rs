@@ -152,6 +152,10 @@ pub struct LimitsConfig {
     /// the chunk cache's capacity, in bytes; 0 means half of the machine's
     /// physical memory.
     pub max_memory_bytes: u64,
+    /// Shared memory the streams of one uid may hold together, in bytes; 0
+    /// means half of what `max_memory_bytes` leaves for streams. Root and the
+    /// daemon's own uid are not capped per uid.
+    pub max_memory_bytes_per_uid: u64,
     /// HDF5 files open at once across all datasets (each takes two descriptors
     /// and libhdf5's caches); the least recently read beyond it are closed and
     /// reopened on their next read. Also bounded by half the descriptor limit.
@@ -180,6 +184,7 @@ impl Default for LimitsConfig {
             max_sample_bytes: stoker_proto::DEFAULT_MAX_SAMPLE_BYTES,
             max_batch_bytes: stoker_proto::DEFAULT_MAX_BATCH_BYTES,
             max_memory_bytes: 0,
+            max_memory_bytes_per_uid: 0,
             max_open_files: 512,
             idle_close_s: 2.0,
         }
@@ -635,6 +640,7 @@ mod tests {
             (default.max_sample_bytes, default.max_batch_bytes, default.max_memory_bytes)
         );
         assert_eq!(shipped.max_ring_bytes_per_client, default.max_ring_bytes_per_client);
+        assert_eq!(shipped.max_memory_bytes_per_uid, default.max_memory_bytes_per_uid);
         cfg.validate(path).unwrap();
     }
 

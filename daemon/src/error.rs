@@ -75,6 +75,7 @@ impl From<StreamError> for WireError {
             StreamError::Shm { .. } => ErrorKind::Internal,
             StreamError::SlotTooLarge { .. }
             | StreamError::ClientBudget { .. }
+            | StreamError::UserBudget { .. }
             | StreamError::DaemonBudget { .. }
             | StreamError::Layout(_) => ErrorKind::Limit,
         };

@@ -324,7 +324,8 @@ impl Connection {
             .checked_ring_bytes(depth)
             .and_then(|b| b.checked_add(stoker_proto::ctrl::CTRL_BYTES))
             .unwrap_or(u64::MAX);
-        let [mine, ours] = self.reserve(want, depth, &layout, limits)?;
+        let user = self.daemon.uid_budget(self.uid);
+        let [mine, users, ours] = self.reserve(want, depth, &layout, limits, &user)?;
         let id = self.daemon.id();
         let shm_err = |e: std::io::Error| {
             WireError::new(ErrorKind::Internal, format!("cannot create shared memory of {want} bytes: {e}"))
@@ -334,8 +335,8 @@ impl Connection {
         let shm = Shm {
             ring,
             control,
-            budgets: [self.budget.clone(), self.daemon.memory.clone()],
-            reserved: Mutex::new(vec![mine, ours]),
+            budgets: [self.budget.clone(), user, self.daemon.memory.clone()],
+            reserved: Mutex::new(vec![mine, users, ours]),
             limits: limits.layout(),
         };
         let counters = self.daemon.metrics.dataset(&label);
@@ -402,15 +403,16 @@ impl Connection {
         Ok(())
     }
 
-    /// Reserves `want` bytes of shared memory against the client's and the
-    /// daemon's budgets.
+    /// Reserves `want` bytes of shared memory against the client's, its
+    /// user's (`user`) and the daemon's budgets.
     fn reserve(
         &self,
         want: u64,
         depth: u32,
         layout: &BatchLayout,
         limits: &LimitsConfig,
-    ) -> Result<[Reservation; 2], WireError> {
+        user: &Arc<Budget>,
+    ) -> Result<[Reservation; 3], WireError> {
         // Reserved atomically, so concurrent opens (and ring growth) cannot
         // together overshoot either budget.
         let mine = self.budget.reserve(want).map_err(|held| {
@@ -421,6 +423,20 @@ impl Connection {
                      holds {held}; the limit is {} ([limits] max_ring_bytes_per_client): use a smaller batch_size",
                     layout.slot_bytes,
                     self.budget.limit()
+                ),
+            )
+        })?;
+        let users = user.reserve(want).map_err(|held| {
+            WireError::new(
+                ErrorKind::Limit,
+                format!(
+                    "this stream needs {want} bytes of shared memory ({depth} slots × {} bytes) and the streams of \
+                     uid {} already hold {held}; one user may hold at most {} ([limits] max_memory_bytes_per_uid, by \
+                     default half of the daemon's memory for streams) so that other users can open theirs: close \
+                     Loaders you no longer use, or use a smaller batch_size",
+                    layout.slot_bytes,
+                    self.uid,
+                    user.limit()
                 ),
             )
         })?;
@@ -437,7 +453,7 @@ impl Connection {
                 ),
             )
         })?;
-        Ok([mine, ours])
+        Ok([mine, users, ours])
     }
 
     /// Opens (or reuses) the dataset `open` names, off the async threads, with the client's rights.

@@ -71,6 +71,9 @@ pub struct Daemon {
     metrics: crate::metrics::Metrics,
     /// Shared memory all streams may hold: `[limits] max_memory_bytes` less the caches.
     memory: Arc<Budget>,
+    /// Each uid's share of `memory` (`[limits] max_memory_bytes_per_uid`),
+    /// while any of its streams holds some.
+    uid_memory: Mutex<HashMap<u32, std::sync::Weak<Budget>>>,
     /// Worker busy time sampled once a second, for utilisation over a window.
     load: Arc<Mutex<VecDeque<(Instant, Duration)>>>,
 }
@@ -113,6 +116,7 @@ impl Daemon {
         }
         let memory = Budget::new(settings.limits.max_memory_bytes.saturating_sub(caches.capacity()));
         Ok(Arc::new(Daemon {
+            uid_memory: Mutex::new(HashMap::new()),
             settings: RwLock::new(Arc::new(settings)),
             started: Instant::now(),
             pool: Arc::new(pool),
@@ -189,6 +193,27 @@ impl Daemon {
 
     fn id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// `uid`'s share of the streams' memory: one budget per uid while its
+    /// streams hold any, of `[limits] max_memory_bytes_per_uid` (0: half of
+    /// the streams' budget); unbounded for root and the daemon's own uid.
+    fn uid_budget(&self, uid: u32) -> Arc<Budget> {
+        let mut by_uid = lock(&self.uid_memory);
+        if let Some(budget) = by_uid.get(&uid).and_then(std::sync::Weak::upgrade) {
+            return budget;
+        }
+        let privileged = uid == 0 || uid == rustix::process::geteuid().as_raw();
+        let configured = self.settings().limits.max_memory_bytes_per_uid;
+        let limit = match (privileged, configured) {
+            (true, _) => u64::MAX,
+            (false, 0) => self.memory.limit() / 2,
+            (false, bytes) => bytes,
+        };
+        let budget = Budget::new(limit);
+        by_uid.retain(|_, w| w.strong_count() > 0);
+        by_uid.insert(uid, Arc::downgrade(&budget));
+        budget
     }
 }
 

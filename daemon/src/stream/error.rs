@@ -33,6 +33,19 @@ pub enum StreamError {
         /// The limit.
         limit: u64,
     },
+    /// Another segment would exceed this user's share of the daemon's memory.
+    #[error(
+        "another slot of {bytes} bytes would exceed this user's share of the daemon's memory ({used} of {limit} \
+         bytes held by this uid's streams, [limits] max_memory_bytes_per_uid)"
+    )]
+    UserBudget {
+        /// Bytes asked for.
+        bytes: u64,
+        /// Bytes in use.
+        used: u64,
+        /// The limit.
+        limit: u64,
+    },
     /// Another segment would exceed the daemon's budget.
     #[error(
         "another slot of {bytes} bytes would exceed the daemon's memory budget ({used} of {limit} bytes in use, \

@@ -34,16 +34,17 @@ impl Stream {
     /// returns its slot id.
     pub(super) fn grow(&self, st: &mut State, layout: &BatchLayout, oversize: bool) -> Result<usize, StreamError> {
         let bytes = layout.checked_ring_bytes(1).ok_or(StreamError::SlotTooLarge { bytes: layout.slot_bytes })?;
-        let [client, daemon] = &self.shm.budgets;
+        let [client, user, daemon] = &self.shm.budgets;
         let mine =
             client.reserve(bytes).map_err(|used| StreamError::ClientBudget { bytes, used, limit: client.limit() })?;
+        let users = user.reserve(bytes).map_err(|used| StreamError::UserBudget { bytes, used, limit: user.limit() })?;
         let ours =
             daemon.reserve(bytes).map_err(|used| StreamError::DaemonBudget { bytes, used, limit: daemon.limit() })?;
         let ring = Ring::create(&format!("stoker-stream-{}-extra", self.meta.id), layout, 1)
             .map_err(|source| StreamError::Shm { bytes, source })?;
         let generation = st.next_segment;
         st.next_segment = st.next_segment.wrapping_add(1).max(1);
-        let segment = Some(Segment { ring, generation, oversize, _reserved: [mine, ours] });
+        let segment = Some(Segment { ring, generation, oversize, _reserved: [mine, users, ours] });
         let id = match st.slots.iter().position(|s| s.state == SlotState::Absent) {
             Some(id) => id,
             None => {

@@ -93,7 +93,7 @@ pub struct Shm {
     /// The control page.
     pub control: Arc<ControlPage>,
     /// The client's budget, then the daemon's: extra segments reserve from both.
-    pub budgets: [Arc<Budget>; 2],
+    pub budgets: [Arc<Budget>; 3],
     /// The ring's reservations, given back when the stream closes.
     pub reserved: Mutex<Vec<Reservation>>,
     /// Limits for the layouts of oversized batches.
@@ -165,7 +165,7 @@ struct Segment {
     generation: u32,
     /// Made for one batch too large for a standard slot: destroyed when it comes back.
     oversize: bool,
-    _reserved: [Reservation; 2],
+    _reserved: [Reservation; 3],
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -567,7 +567,7 @@ impl Stream {
 
     fn exhausted_message(&self, st: &State) -> String {
         let held = st.slots.iter().filter(|s| s.state == SlotState::Leased).count();
-        let [client, daemon] = &self.shm.budgets;
+        let [client, _, daemon] = &self.shm.budgets;
         format!(
             "this process holds all {held} batches of the stream that its shared-memory budget allows \
              ({} of {} bytes, [limits] max_ring_bytes_per_client; the daemon has {} of {} bytes in use, \

@@ -31,7 +31,7 @@ fn start_with(
     let fields: Vec<_> = source.fields().iter().map(|f| f.decl()).collect();
     let layout = BatchLayout::new(batch, fields, &LayoutLimits::DEFAULT).unwrap();
     let ring = Ring::create(dataset, &layout, depth).unwrap();
-    let budgets = [Budget::new(budget), Budget::new(u64::MAX)];
+    let budgets = [Budget::new(budget), Budget::new(u64::MAX), Budget::new(u64::MAX)];
     let reserved = Mutex::new(vec![budgets[0].reserve(ring.bytes()).unwrap()]);
     let shm =
         Shm { ring, control: ControlPage::create(dataset).unwrap(), budgets, reserved, limits: LayoutLimits::DEFAULT };
@@ -508,7 +508,7 @@ fn a_rescan_stream_stops_at_the_epoch_end_and_reads_the_rescanned_source_from_se
     let shm = Shm {
         ring: Ring::create("rescan", &layout, 3).unwrap(),
         control: ControlPage::create("rescan").unwrap(),
-        budgets: [Budget::new(u64::MAX), Budget::new(u64::MAX)],
+        budgets: [Budget::new(u64::MAX), Budget::new(u64::MAX), Budget::new(u64::MAX)],
         reserved: Mutex::new(Vec::new()),
         limits: LayoutLimits::DEFAULT,
     };
