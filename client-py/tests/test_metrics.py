@@ -7,6 +7,7 @@ urllib, parsed with the official parsers of the Prometheus Python client
 from __future__ import annotations
 
 import socket
+import time
 import urllib.error
 import urllib.request
 from typing import Any, Callable
@@ -252,3 +253,24 @@ def test_skipped_samples_are_counted_and_kept(
     after = poll(closed, timeout=60)
     assert after is not None, f"the source is still open: {open_files(scrape(base)[1])}"
     assert skipped(after) >= 1, "the count must outlive the source"
+
+
+def test_idle_connections_cannot_lock_the_scraper_out(start_daemon: Callable[..., Daemon]) -> None:
+    """Finding 14 of issue 22: 16 connections that never send a request took
+    every slot of the endpoint, and the real scraper was turned away until
+    they timed out (and again whenever they came back). A full endpoint now
+    drops the connection that has waited longest without a request."""
+    daemon, base = with_metrics(start_daemon)
+    port = int(base.rsplit(":", 1)[1])
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(32)]
+    try:
+        for _ in range(5):
+            start = time.monotonic()
+            assert "stoker_build_info" in scrape(base)[1]
+            assert time.monotonic() - start < 2.5
+            # And the idle ones keep coming back.
+            idle.extend(socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(16))
+    finally:
+        for s in idle:
+            s.close()
+    assert daemon.alive()

@@ -29,10 +29,12 @@ pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
 pub async fn serve(listener: TcpListener, render: impl Fn() -> String + Send + Sync + 'static) {
     let render = Arc::new(render);
     let permits = Arc::new(tokio::sync::Semaphore::new(MAX_HTTP_CONNECTIONS));
+    let waiting = Arc::new(Waiting::default());
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "serving metrics on http://{addr}/metrics");
     }
     let mut last_warning: Option<Instant> = None;
+    let mut next_id = 0u64;
     loop {
         let (sock, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -45,21 +47,55 @@ pub async fn serve(listener: TcpListener, render: impl Fn() -> String + Send + S
                 continue;
             }
         };
-        // Scrapers beyond the bound are closed at once: a crowd of slow
-        // clients cannot queue up in front of the real scraper for long.
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
-            tracing::debug!(%peer, "metrics: too many connections; closing");
-            continue;
+        let permit = match permits.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            // Full: the connection that has waited longest without sending
+            // its request makes room (idle connections cannot lock the
+            // scraper out); if every one is being answered, this one goes.
+            Err(_) => {
+                if !waiting.evict_oldest() {
+                    tracing::debug!(%peer, "metrics: too many connections; closing");
+                    continue;
+                }
+                match tokio::time::timeout(Duration::from_millis(200), permits.clone().acquire_owned()).await {
+                    Ok(Ok(permit)) => permit,
+                    _ => continue,
+                }
+            }
         };
-        let render = render.clone();
+        next_id += 1;
+        let (id, cancel) = (next_id, waiting.register(next_id));
+        let (render, waiting) = (render.clone(), waiting.clone());
         tokio::spawn(async move {
-            respond(sock, &*render).await;
+            respond(sock, &*render, cancel, || waiting.forget(id)).await;
             drop(permit);
         });
     }
 }
 
-/// A response: status line and body.
+/// Connections that have not sent their request yet, oldest first, each with
+/// the sender that cancels it.
+#[derive(Default)]
+struct Waiting(std::sync::Mutex<std::collections::VecDeque<(u64, tokio::sync::oneshot::Sender<()>)>>);
+
+impl Waiting {
+    fn register(&self, id: u64) -> tokio::sync::oneshot::Receiver<()> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push_back((id, tx));
+        rx
+    }
+
+    fn forget(&self, id: u64) {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).retain(|(i, _)| *i != id);
+    }
+
+    /// Cancels the connection that has waited longest; false if none waits.
+    fn evict_oldest(&self) -> bool {
+        let oldest = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop_front();
+        oldest.is_some_and(|(_, cancel)| cancel.send(()).is_ok())
+    }
+}
+
 struct Response {
     status: &'static str,
     content_type: &'static str,
@@ -80,9 +116,21 @@ impl Response {
     }
 }
 
-/// Reads one request head, answers it, and closes the connection.
-async fn respond(mut sock: TcpStream, render: &(dyn Fn() -> String + Send + Sync)) {
-    let response = match tokio::time::timeout(HTTP_DEADLINE, read_head(&mut sock)).await {
+/// Reads one request head, answers it, and closes the connection; `cancel`
+/// drops it while it waits for its request (another needs the slot);
+/// `received` is called once the head is in (or the wait is over).
+async fn respond(
+    mut sock: TcpStream,
+    render: &(dyn Fn() -> String + Send + Sync),
+    cancel: tokio::sync::oneshot::Receiver<()>,
+    received: impl FnOnce(),
+) {
+    let head = tokio::select! {
+        head = tokio::time::timeout(HTTP_DEADLINE, read_head(&mut sock)) => head,
+        _ = cancel => return,
+    };
+    received();
+    let response = match head {
         Err(_) => Response::text("408 Request Timeout", "request not received in time"),
         Ok(Err(response)) => response,
         Ok(Ok(head)) => route(&head, render),
