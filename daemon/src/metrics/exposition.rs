@@ -149,6 +149,19 @@ struct Snapshot {
     worker_busy_s: f64,
 }
 
+/// A dataset's label: a named dataset's name; an ad-hoc dataset's path never
+/// (anyone who can reach the endpoint would learn other users' file paths,
+/// which `stoker status` shows only to their owner and root), but
+/// `adhoc-` and the FNV-1a hash of the path, hex.
+fn dataset_label(value: &str) -> String {
+    if value.starts_with('/') {
+        let mut h = stoker_proto::hash::Fnv1a::default();
+        h.write(value.as_bytes());
+        return format!("adhoc-{:016x}", h.finish());
+    }
+    label(value)
+}
+
 /// A label value as the text format needs it: `prometheus-client` writes
 /// label values verbatim, and dataset labels are paths a client chose.
 fn label(value: &str) -> String {
@@ -294,7 +307,7 @@ impl Snapshot {
     fn encode_datasets(&self, e: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
         use MetricType::{Counter, Gauge};
         use Value::{Float, Int};
-        let datasets: Vec<(String, &DatasetRow)> = self.datasets.iter().map(|(k, v)| (label(k), v)).collect();
+        let datasets: Vec<(String, &DatasetRow)> = self.datasets.iter().map(|(k, v)| (dataset_label(k), v)).collect();
         let per_dataset = |f: fn(&DatasetRow) -> Value| {
             datasets.iter().map(move |(name, row)| ([("dataset", name.as_str())], f(row)))
         };
@@ -349,7 +362,16 @@ impl Snapshot {
         let streams: Vec<([(&str, String); 3], &StreamRow)> = self
             .streams
             .iter()
-            .map(|s| ([("stream", s.id.to_string()), ("dataset", label(&s.dataset)), ("rank", s.rank.to_string())], s))
+            .map(|s| {
+                (
+                    [
+                        ("stream", s.id.to_string()),
+                        ("dataset", dataset_label(&s.dataset)),
+                        ("rank", s.rank.to_string()),
+                    ],
+                    s,
+                )
+            })
             .collect();
         let per_stream = |f: fn(&StreamRow) -> Value| streams.iter().map(move |(labels, row)| (labels.clone(), f(row)));
         family(
