@@ -108,6 +108,8 @@ def test_libhdf5_runs_in_helper_processes_not_in_the_daemon(start_daemon, stoker
     status = Path(f"/proc/{helpers[0]}/status").read_text()
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     assert fields["NoNewPrivs"].strip() == "1", status
+    # Under its seccomp filter (mode 2: filtered).
+    assert fields["Seccomp"].strip() == "2", status
     assert int(fields["CapEff"].strip(), 16) & ~(1 << 2) == 0, "no capability but CAP_DAC_READ_SEARCH"
     limits = Path(f"/proc/{helpers[0]}/limits").read_text()
     assert any(line.startswith("Max address space") and "unlimited" not in line for line in limits.splitlines())

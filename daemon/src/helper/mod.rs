@@ -17,6 +17,7 @@
 
 #[allow(unsafe_code)] // fork/exec set-up of the helper (pre_exec)
 mod process;
+mod sandbox;
 pub mod serve;
 mod wire;
 

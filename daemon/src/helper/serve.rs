@@ -31,8 +31,13 @@ pub fn socket(fd: i32) -> std::io::Result<UnixStream> {
     Ok(UnixStream::from(super::process::adopt(fd)))
 }
 
-/// Serves the daemon on `sock` until it closes it.
+/// Serves the daemon on `sock` until it closes it, under the helper's
+/// seccomp filter (`sandbox.rs`).
 pub fn run(sock: UnixStream) -> std::io::Result<()> {
+    if let Err(e) = super::sandbox::install() {
+        // Still its own process, with its user's rights only: say so, go on.
+        eprintln!("stoker hdf5-helper: cannot install the seccomp filter ({e}); running without it");
+    }
     let mut files: HashMap<u64, LocalFile> = HashMap::new();
     let mut next = 1u64;
     let mut fds: Vec<OwnedFd> = Vec::new();
