@@ -89,6 +89,8 @@ def test_metrics_are_served_and_move(start_daemon: Callable[..., Daemon], stoker
         "stoker_stream_slots_filled": "gauge",
         "stoker_stream_slots_leased": "gauge",
         "stoker_stream_slots": "gauge",
+        "stoker_hdf5_helpers": "gauge",
+        "stoker_hdf5_helper_deaths": "counter",
     }
     assert {name: families[name].type for name in expected if name in families} == expected
 
@@ -97,6 +99,9 @@ def test_metrics_are_served_and_move(start_daemon: Callable[..., Daemon], stoker
     (stream_id,) = {dict(k[1])["stream"] for k in m if k[0] == "stoker_stream_batches_total"}
     stream["stream"] = stream_id
     assert value(m, "stoker_build_info", version=daemon.status()["version"]) == 1
+    # The named dataset's files were opened by the named datasets' helper.
+    assert value(m, "stoker_hdf5_helpers") == 1
+    assert value(m, "stoker_hdf5_helper_deaths_total") == 0
     assert value(m, "stoker_stream_batches_total", **stream) == 3
     assert value(m, "stoker_stream_delivered_bytes_total", **stream) == 3 * 10 * SAMPLE_BYTES
     assert value(m, "stoker_stream_data_wait_seconds_total", **stream) >= 0

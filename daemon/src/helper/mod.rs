@@ -25,6 +25,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::net::UnixStream;
 use std::process::Child;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -51,22 +52,24 @@ pub struct Helpers {
     isolated: bool,
     /// By domain: `Some(uid)` for a client's, `None` for the daemon's.
     by_domain: Mutex<HashMap<Option<u32>, Arc<Helper>>>,
+    /// Helper deaths since start, of every domain.
+    deaths: Arc<AtomicU64>,
 }
 
-/// Trust domains with a helper at once; beyond, the least recently used
-/// idle ones are stopped (a node has few users with open datasets).
+/// Helpers in use at once beyond which the daemon warns (a node has few
+/// users with open HDF5 datasets).
 const MAX_HELPERS: usize = 256;
 
 impl Helpers {
     /// Helpers with `limits`, started on demand.
     pub fn new(limits: HelperLimits) -> Arc<Helpers> {
-        Arc::new(Helpers { limits, isolated: true, by_domain: Mutex::new(HashMap::new()) })
+        Arc::new(Helpers { limits, isolated: true, by_domain: Mutex::new(HashMap::new()), deaths: Arc::default() })
     }
 
     /// libhdf5 in this process, for tests of the code around it.
     pub fn in_process() -> Arc<Helpers> {
         let limits = HelperLimits { timeout: Duration::from_secs(60), memory_bytes: 0 };
-        Arc::new(Helpers { limits, isolated: false, by_domain: Mutex::new(HashMap::new()) })
+        Arc::new(Helpers { limits, isolated: false, by_domain: Mutex::new(HashMap::new()), deaths: Arc::default() })
     }
 
     /// Where the files of a dataset opened by `peer` (`None`: a named
@@ -80,26 +83,27 @@ impl Helpers {
         if let Some(helper) = by_domain.get(&domain) {
             return Arc::new(DomainOpener(helper.clone()));
         }
+        // Helpers nobody holds any more (their user's HDF5 datasets are all
+        // closed) are stopped; more than MAX_HELPERS in use are still served.
+        by_domain.retain(|_, h| Arc::strong_count(h) > 1);
         if by_domain.len() >= MAX_HELPERS {
-            // Helpers nobody holds (no open dataset) go first.
-            by_domain.retain(|_, h| Arc::strong_count(h) > 1);
+            tracing::warn!(helpers = by_domain.len(), "many HDF5 helper processes in use at once");
         }
         let creds = match peer {
             Some(p) => Creds::User { uid: p.uid, gid: p.gid, groups: p.groups() },
             None => Creds::Daemon,
         };
-        let helper = Arc::new(Helper::new(creds, self.limits));
+        let helper = Arc::new(Helper::new(creds, self.limits, self.deaths.clone()));
         by_domain.insert(domain, helper.clone());
         Arc::new(DomainOpener(helper))
     }
 
-    /// Helper processes running now, and deaths (crashes and timeouts) so far.
+    /// Helper processes running now, and deaths (crashes and timeouts) so
+    /// far. Never waits for a helper (a scrape runs on the async threads).
     pub fn counts(&self) -> (usize, u64) {
         let by_domain = self.by_domain.lock().unwrap_or_else(PoisonError::into_inner);
-        by_domain.values().fold((0, 0), |(running, deaths), h| {
-            let state = h.state.lock().unwrap_or_else(PoisonError::into_inner);
-            (running + usize::from(state.conn.is_some()), deaths + state.deaths)
-        })
+        let running = by_domain.values().filter(|h| h.running.load(Ordering::Relaxed)).count();
+        (running, self.deaths.load(Ordering::Relaxed))
     }
 }
 
@@ -109,6 +113,10 @@ struct Helper {
     creds: Creds,
     limits: HelperLimits,
     state: Mutex<State>,
+    /// Whether its process runs (for counts that never wait on `state`).
+    running: AtomicBool,
+    /// The daemon-wide count of helper deaths.
+    deaths: Arc<AtomicU64>,
 }
 
 #[derive(Debug)]
@@ -116,13 +124,22 @@ struct State {
     conn: Option<(Child, UnixStream)>,
     /// Bumped at every death: handles of an older generation are gone.
     generation: u64,
-    /// Deaths in a row (back-off) and in all.
+    /// Deaths in a row (back-off).
     failures: u32,
-    deaths: u64,
     /// No new helper before this (back-off after deaths).
     not_before: Option<Instant>,
-    /// How the last one ended, for errors during back-off.
-    last_death: String,
+}
+
+impl Drop for Helper {
+    fn drop(&mut self) {
+        // Its process ends when the socket closes; reap it.
+        let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        if let Some((mut child, sock)) = state.conn.take() {
+            drop(sock);
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }
 
 /// Why a request to a helper did not get an answer.
@@ -147,10 +164,9 @@ impl Lost {
 }
 
 impl Helper {
-    fn new(creds: Creds, limits: HelperLimits) -> Helper {
-        let state =
-            State { conn: None, generation: 0, failures: 0, deaths: 0, not_before: None, last_death: String::new() };
-        Helper { creds, limits, state: Mutex::new(state) }
+    fn new(creds: Creds, limits: HelperLimits, deaths: Arc<AtomicU64>) -> Helper {
+        let state = State { conn: None, generation: 0, failures: 0, not_before: None };
+        Helper { creds, limits, state: Mutex::new(state), running: AtomicBool::new(false), deaths }
     }
 
     /// One round trip: sends `request` (with `fd`), waits for the answer,
@@ -176,16 +192,19 @@ impl Helper {
             return Err(Lost::Gone);
         }
         if state.conn.is_none() {
-            if let Some(at) = state.not_before
-                && Instant::now() < at
-            {
-                return Err(Lost::Died(format!("{} (restarting)", state.last_death)));
+            // After deaths in a row a new helper starts no sooner than the
+            // back-off allows (at most 10 s): requests wait for it rather than
+            // fail, so a crash loop of one file is throttled without failing
+            // the reads of the domain's other files.
+            if let Some(at) = state.not_before.take() {
+                std::thread::sleep(at.saturating_duration_since(Instant::now()));
             }
             let (child, sock) = process::spawn(&self.creds, self.limits.memory_bytes)
                 .map_err(|e| Lost::Died(format!("could not be started ({e})")))?;
             let _ = sock.set_read_timeout(Some(self.limits.timeout));
             let _ = sock.set_write_timeout(Some(self.limits.timeout));
             state.conn = Some((child, sock));
+            self.running.store(true, Ordering::Relaxed);
         }
         let generation = state.generation;
         let sock = &state.conn.as_ref().expect("started above").1;
@@ -223,6 +242,8 @@ impl Helper {
     fn bury(&self, state: &mut State, error: std::io::Error) -> String {
         let Some((mut child, sock)) = state.conn.take() else { return "ended".into() };
         drop(sock);
+        self.running.store(false, Ordering::Relaxed);
+        self.deaths.fetch_add(1, Ordering::Relaxed);
         let timed_out = matches!(error.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut);
         let status = if timed_out {
             let _ = child.kill();
@@ -253,11 +274,9 @@ impl Helper {
         tracing::warn!(creds = ?self.creds, pid = child.id(), reason = %how, "HDF5 helper died; what it owed fails, the next use starts a new one");
         state.generation += 1;
         state.failures = state.failures.saturating_add(1);
-        state.deaths += 1;
         // 0 s after a first death, then 0.1, 0.2, ... up to 10 s between starts.
         let wait = Duration::from_millis(100).saturating_mul(1 << state.failures.saturating_sub(1).min(7));
         state.not_before = (state.failures > 1).then(|| Instant::now() + wait.min(Duration::from_secs(10)));
-        state.last_death = how.clone();
         how
     }
 }

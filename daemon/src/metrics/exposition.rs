@@ -108,6 +108,7 @@ impl Metrics {
             clients: scrape.clients,
             worker_threads: scrape.worker_threads,
             worker_busy_s: worker_busy().as_secs_f64(),
+            hdf5_helpers: scrape.hdf5_helpers,
         }
     }
 }
@@ -147,6 +148,7 @@ struct Snapshot {
     clients: u64,
     worker_threads: u64,
     worker_busy_s: f64,
+    hdf5_helpers: (u64, u64),
 }
 
 /// A dataset's label: a named dataset's name; an ad-hoc dataset's path never
@@ -257,6 +259,22 @@ impl Snapshot {
             Some(&Unit::Seconds),
             Counter,
             Float(self.worker_busy_s),
+        )?;
+        single(
+            e,
+            "stoker_hdf5_helpers",
+            "HDF5 helper processes running (one per user with open ad-hoc HDF5 datasets, one for named ones)",
+            None,
+            Gauge,
+            Int(self.hdf5_helpers.0),
+        )?;
+        single(
+            e,
+            "stoker_hdf5_helper_deaths",
+            "HDF5 helper processes killed after a crash, a hang or a protocol error (a crafted or corrupt file)",
+            None,
+            Counter,
+            Int(self.hdf5_helpers.1),
         )?;
         Ok(())
     }

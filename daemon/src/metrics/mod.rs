@@ -45,6 +45,8 @@ pub struct Scrape {
     pub clients: u64,
     /// Threads in the worker pool.
     pub worker_threads: u64,
+    /// HDF5 helper processes running, and helper deaths since start.
+    pub hdf5_helpers: (u64, u64),
 }
 
 impl Metrics {

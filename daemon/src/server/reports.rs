@@ -228,6 +228,10 @@ impl Daemon {
             sample_cache: self.caches.samples.stats(),
             clients: lock(&self.clients).len() as u64,
             worker_threads: self.pool.current_num_threads() as u64,
+            hdf5_helpers: {
+                let (running, deaths) = self.datasets.helper_counts();
+                (running as u64, deaths)
+            },
         })
     }
 }
