@@ -32,14 +32,16 @@ def warm_page_cache(path: Path) -> None:
 class Daemon:
     """`stoker serve` on a socket in `workdir`, serving files under `allowed`."""
 
-    def __init__(self, binary: str, workdir: Path, allowed: Path, threads: int, depth: int, extra: str = "") -> None:
+    def __init__(
+        self, binary: str, workdir: Path, allowed: Path, threads: int, depth: int, extra: str = "", server: str = ""
+    ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.socket = str(workdir / "stoker.sock")
         config = workdir / "stoker.toml"
         config.write_text(
             "[server]\n"
             f'socket = "{self.socket}"\n'
-            f'allowed_roots = ["{allowed.resolve()}"]\n'
+            f'allowed_roots = ["{allowed.resolve()}"]\n' + server +
             f"[workers]\nthreads = {threads}\n"
             f"[ring]\ndepth = {depth}\n" + extra
         )

@@ -432,3 +432,69 @@ fn cropped_decode_then_the_rest_of_the_chain_equals_the_whole_chain() {
     let chain = Chain::new("hr", vec![Step::RandomCrop { height: 8, width: 8 }], Some(paired)).unwrap();
     assert!(chain.after_leading_crop().is_none() && chain.leading_crop(41, 57, key).is_none());
 }
+
+/// The decoders that run inside the daemon on client bytes, libjpeg-turbo
+/// and zstd's C library among them (docs/ARCHITECTURE.md), over thousands of
+/// mutated values: random bytes set, runs zeroed or saturated, truncations,
+/// header fields made huge. Every case is an error or a decode within the
+/// size limit; none panics or crashes the test process (a fault in the C
+/// code would). Deterministic (a fixed xorshift), bounded in time.
+#[test]
+fn mutated_values_never_crash_the_decoders() {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut scratch = Vec::new();
+    let mut buf = AlignedBuf::new();
+    let limit = 64 << 20;
+    let (mut cases, mut decoded) = (0u32, 0u32);
+    for (file, codec) in [
+        ("jpeg/rgb_baseline420.jpg", "jpeg"),
+        ("jpeg/rgb_progressive.jpg", "jpeg"),
+        ("jpeg/gray_progressive.jpg", "jpeg"),
+        ("png/rgb8.png", "png"),
+        ("png/palette4.png", "png"),
+        ("wrap/png.zst", "zstd+png"),
+        ("wrap/npy.zst", "zstd+npy"),
+        ("npy/f4_le_c.npy", "npy"),
+    ] {
+        let codec: Codec = codec.parse().unwrap();
+        let value = read(file);
+        for _ in 0..400 {
+            let mut v = value.clone();
+            match next() % 4 {
+                0 => {
+                    for _ in 0..1 + next() % 8 {
+                        let at = (next() as usize) % v.len();
+                        v[at] = next() as u8;
+                    }
+                }
+                1 => {
+                    let at = (next() as usize) % v.len();
+                    let fill = if next() % 2 == 0 { 0 } else { 0xff };
+                    let end = (at + 1 + (next() as usize) % 16).min(v.len());
+                    v[at..end].fill(fill);
+                }
+                2 => v.truncate((next() as usize) % v.len()),
+                _ => {
+                    // A 16-bit big-endian field near the start (JPEG/PNG sizes) made huge.
+                    let at = (next() as usize) % v.len().min(256);
+                    if at + 2 <= v.len() {
+                        v[at..at + 2].copy_from_slice(&[0xff, 0xf0]);
+                    }
+                }
+            }
+            cases += 1;
+            if let Ok(info) = codec.decode(&v, &mut buf, &mut scratch, limit) {
+                assert!(info.bytes() as u64 <= limit, "{file}: decoded {} bytes", info.bytes());
+                decoded += 1;
+            }
+        }
+    }
+    assert_eq!(cases, 3200);
+    eprintln!("{cases} mutated values, {decoded} still decoded, the rest refused; no crash");
+}
