@@ -179,7 +179,14 @@ impl Helper {
         generation: Option<u64>,
         data: Option<&mut [u8]>,
     ) -> Result<(Reply, u64), Lost> {
-        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        // Only a library read waits by running other fills: it runs outside
+        // every cache load (a lookup may run inside one, which a nested fill
+        // of the same chunk would wait for).
+        let mut state = if matches!(request, Request::Read { .. }) {
+            self.lock_state()
+        } else {
+            self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        };
         // A helper that died since its last answer (killed from outside,
         // out of memory while idle) owed nothing: handles of it are gone,
         // and an open goes to a new one.
@@ -221,6 +228,38 @@ impl Helper {
             Err(e) => {
                 let how = self.bury(&mut state, e);
                 Err(Lost::Died(how))
+            }
+        }
+    }
+
+    /// The helper's state, for one request. Its requests take turns, so a
+    /// worker thread that finds the helper busy (another worker is waiting
+    /// on this domain's libhdf5) runs other pending fills meanwhile, rayon
+    /// `yield_now`, rather than block: one user's slow libhdf5 reads hold at
+    /// most the worker inside the helper call, and other users' fills go on.
+    fn lock_state(&self) -> std::sync::MutexGuard<'_, State> {
+        thread_local! {
+            /// Fills run inside this thread's waits, nested: bounded, so a
+            /// pile of one domain's waiting fills cannot grow the stack.
+            static DEPTH: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+        }
+        loop {
+            match self.state.try_lock() {
+                Ok(state) => return state,
+                Err(std::sync::TryLockError::Poisoned(e)) => return e.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => {}
+            }
+            let depth = DEPTH.with(|d| d.get());
+            if depth >= 4 {
+                return self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            }
+            DEPTH.with(|d| d.set(depth + 1));
+            let ran = rayon::yield_now();
+            DEPTH.with(|d| d.set(depth));
+            match ran {
+                Some(rayon::Yield::Executed) => {}
+                // Nothing else to do here (or not a worker): wait briefly.
+                _ => std::thread::sleep(Duration::from_micros(200)),
             }
         }
     }
