@@ -68,6 +68,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--uid", type=int, default=65534)
     ap.add_argument("--settle", type=float, default=3.0, help="seconds the attack runs before the victim starts")
+    ap.add_argument(
+        "--fast-path",
+        action="store_true",
+        help="attack with a file the fast path decodes (one 256 MiB gzip chunk of zeros, no chunk cache: every row "
+        "inflates it in Rust on a worker) instead of a libhdf5-only one",
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("run as root: the attacker is another uid")
@@ -80,8 +86,13 @@ def main() -> None:
         data.mkdir(mode=0o755)
         slow = data / "slow.h5"
         with h5py.File(slow, "w") as f:
-            f.create_dataset("x", data=np.arange(64 * (1 << 20), dtype=np.int32).reshape(64, 1 << 20) % 1000,
-                             chunks=(64, 1 << 20), scaleoffset=0)
+            if args.fast_path:
+                f.create_dataset("x", shape=(64, 1 << 22), dtype=np.uint8, chunks=(64, 1 << 22), compression="gzip",
+                                 fillvalue=0)
+                f["x"][0] = np.ones(1 << 22, dtype=np.uint8)
+            else:
+                f.create_dataset("x", data=np.arange(64 * (1 << 20), dtype=np.int32).reshape(64, 1 << 20) % 1000,
+                                 chunks=(64, 1 << 20), scaleoffset=0)
         fast = data / "fast.h5"
         with h5py.File(fast, "w") as f:
             f.create_dataset("x", data=np.arange(64 * 16, dtype=np.float32).reshape(64, 16))
@@ -90,7 +101,7 @@ def main() -> None:
         results: dict[str, dict[str, list[tuple[float, float]]]] = {b: {"quiet": [], "attack": []} for b in args.stoker}
         for r in range(args.rounds):
             for n, binary in enumerate(args.stoker):
-                extra = "[limits]\nidle_close_s = 0\n"
+                extra = "[limits]\nidle_close_s = 0\n[cache]\nchunk_bytes = 0\n"
                 workdir = root / f"d{r}-{n}"
                 server = f"allowed_uids = [{args.uid}]\n"
                 with Daemon(binary, workdir, data, threads=2, depth=2, extra=extra, server=server) as d:
@@ -108,8 +119,9 @@ def main() -> None:
                     finally:
                         attacker.kill()
                         attacker.wait()
-        print("victim (root) while another uid reads a 256 MiB scale-offset chunk row by row; medians of "
-              f"{args.rounds} rounds, 2 worker threads")
+        what = "256 MiB gzip chunk (fast path)" if args.fast_path else "256 MiB scale-offset chunk (libhdf5)"
+        print(f"victim (root) while another uid reads a {what} row by row; medians of {args.rounds} rounds, "
+              "2 worker threads, no chunk cache")
         print("| binary | quiet: open | quiet: first batch | attack: open | attack: first batch |")
         print("| --- | ---: | ---: | ---: | ---: |")
         for binary, res in results.items():

@@ -351,6 +351,7 @@ impl Connection {
             counters,
             rescan: opened.rescan,
             cursor: Some(cursor),
+            share: Some((self.daemon.fair.clone(), self.uid)),
         };
         let (epoch, step) = (open.epoch, open.step);
         let dataset = (source, sampler, generation);

@@ -74,6 +74,8 @@ pub struct Daemon {
     /// Each uid's share of `memory` (`[limits] max_memory_bytes_per_uid`),
     /// while any of its streams holds some.
     uid_memory: Mutex<HashMap<u32, std::sync::Weak<Budget>>>,
+    /// The worker pool's fair share between users.
+    fair: Arc<crate::stream::FairGate>,
     /// Worker busy time sampled once a second, for utilisation over a window.
     load: Arc<Mutex<VecDeque<(Instant, Duration)>>>,
 }
@@ -115,8 +117,10 @@ impl Daemon {
             tracing::warn!(error = %e, "cannot start the load sampler: `stoker status` shows utilisation since start");
         }
         let memory = Budget::new(settings.limits.max_memory_bytes.saturating_sub(caches.capacity()));
+        let fair = crate::stream::FairGate::new(pool.current_num_threads());
         Ok(Arc::new(Daemon {
             uid_memory: Mutex::new(HashMap::new()),
+            fair,
             settings: RwLock::new(Arc::new(settings)),
             started: Instant::now(),
             pool: Arc::new(pool),

@@ -138,6 +138,9 @@ impl Stream {
         let generation = st.generation;
         let stream = self.clone();
         let parts = self.pool.current_num_threads();
+        if let Some((gate, uid)) = &self.meta.share {
+            gate.fill_started(*uid);
+        }
         self.pool.spawn(move || {
             // Backstop: a panic outside the per-sample guard in `produce`.
             let produced = catch_unwind(AssertUnwindSafe(|| stream.produce(writer, parts, epoch, generation, step)));
@@ -154,6 +157,9 @@ impl Stream {
                 }
             });
             stream.complete(id, generation, epoch, step, rows, outcome);
+            if let Some((gate, uid)) = &stream.meta.share {
+                gate.fill_finished(*uid);
+            }
         });
         true
     }
@@ -182,6 +188,8 @@ impl Stream {
         let oversize = Mutex::new((vec![0u64; nfields], None::<String>));
         let busy = AtomicU64::new(0);
         writer.split(parts, MIN_ROWS_PER_TASK).into_par_iter().for_each(|mut part| {
+            // This user's share of the workers (a lone user has them all).
+            let _permit = self.meta.share.as_ref().map(|(gate, uid)| gate.enter(*uid));
             let _timer = Timer::new(&busy);
             for row in part.rows() {
                 let index = sampler.index(perm.as_ref(), step, row);

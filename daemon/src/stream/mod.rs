@@ -41,6 +41,7 @@ use stoker_proto::{BatchLayout, Generation, LayoutLimits, StreamStatus};
 pub mod budget;
 pub mod counters;
 mod error;
+pub mod fair;
 mod fill;
 
 pub use error::StreamError;
@@ -48,6 +49,7 @@ pub use error::StreamError;
 use crate::ring::{ControlPage, Ring};
 pub use budget::{Budget, Reservation};
 use counters::{DatasetCounters, WarnLimit};
+pub use fair::FairGate;
 use stoker_data::sampler::Sampler;
 use stoker_data::source::Source;
 
@@ -83,6 +85,9 @@ pub struct StreamMeta {
     pub rescan: bool,
     /// Where the stream is, for the caches' eviction plan (`None`: untracked).
     pub cursor: Option<Arc<stoker_data::cache::Cursor>>,
+    /// The worker pool's fair gate and the uid this stream's fills count
+    /// against (`None`: ungated, unit tests).
+    pub share: Option<(Arc<FairGate>, u32)>,
 }
 
 /// The shared memory of a stream, made by the server within its budgets.

@@ -46,6 +46,7 @@ fn start_with(
         counters: Default::default(),
         rescan: false,
         cursor: None,
+        share: None,
     };
     let sampler = Sampler::new(samples, 0, 1, batch, false, 0, false);
     Stream::start(meta, source, sampler, shm, pool, epoch, step)
@@ -523,6 +524,7 @@ fn a_rescan_stream_stops_at_the_epoch_end_and_reads_the_rescanned_source_from_se
         counters: Default::default(),
         rescan: true,
         cursor: None,
+        share: None,
     };
     let was = Generation { fingerprint: 1, files: 1, samples: 8 };
     let sampler = Sampler::new(8, 0, 1, 2, false, 0, false);
