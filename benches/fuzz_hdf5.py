@@ -80,7 +80,7 @@ def read_case(stoker, path: Path, socket: str) -> str:
             batch_size=16,
             shuffle=False,
             socket=socket,
-            timeout=60,
+            timeout=120,
             reconnect=0,
         )
         for n, _ in enumerate(loader):
@@ -107,9 +107,12 @@ def run(cases: int, seed: int, binary: str, workdir: Path) -> dict:
     seed_bytes = (data / "seed.h5").read_bytes()
     rng = random.Random(seed)
     figures: dict = {"cases": 0, "outcomes": {}, "helper_deaths": 0, "daemon_deaths": 0, "clean_served": True}
+    # A file that makes libhdf5 loop is answered after helper_timeout_s (its
+    # helper killed, the batch failed) well within the Loader's timeout.
+    hang = "helper_timeout_s = 10.0\n"
     daemons = [
-        Daemon(binary, workdir / "fast", data, threads=2, depth=2),
-        Daemon(binary, workdir / "library", data, threads=2, depth=2, extra="[hdf5]\nfast_path = false\n"),
+        Daemon(binary, workdir / "fast", data, threads=2, depth=2, extra="[hdf5]\n" + hang),
+        Daemon(binary, workdir / "library", data, threads=2, depth=2, extra="[hdf5]\nfast_path = false\n" + hang),
     ]
     start = time.monotonic()
     try:

@@ -96,6 +96,13 @@ def test_a_file_that_crashes_libhdf5_fails_its_batch_and_nobody_else_notices(
     assert d.alive(), d.stderr()
     if not fast_path:
         assert "HDF5 helper died" in d.stderr()
+        # The file that crashed its helper is not handed to libhdf5 again
+        # until it changes: the same error, and no further helper death.
+        deaths = d.stderr().count("HDF5 helper died")
+        with pytest.raises(stoker.DatasetError) as again:
+            read_all(stoker, tmp_path / "crafted.h5", d.socket)
+        assert "crafted.h5" in str(again.value) and "until it changes" in str(again.value), again.value
+        assert d.stderr().count("HDF5 helper died") == deaths, d.stderr()
 
 
 def test_libhdf5_runs_in_helper_processes_not_in_the_daemon(start_daemon, stoker, tmp_path) -> None:

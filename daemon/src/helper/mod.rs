@@ -147,18 +147,39 @@ impl Drop for Helper {
 enum Lost {
     /// The handle belongs to a helper that has since died.
     Gone,
-    /// The helper died, hung or misbehaved now (how), or cannot be started.
-    Died(String),
+    /// The helper died or hung on this request (how; whether the request
+    /// caused it: a hang or a fault, not a kill from outside).
+    Died(String, bool),
+    /// No helper could be started (why).
+    Unavailable(String),
 }
 
 impl Lost {
-    fn message(self) -> String {
+    fn message(&self) -> String {
         match self {
             Lost::Gone => FieldError::Reopen.to_string(),
-            Lost::Died(how) => format!(
+            Lost::Died(how, true) => format!(
                 "the HDF5 library {how} reading it (in this user's HDF5 helper process; the daemon and other users \
-                 are unaffected): the file may be crafted or corrupt, check it with h5dump"
+                 are unaffected): the file may be crafted or corrupt, check it with h5dump; its reads fail until \
+                 it changes"
             ),
+            Lost::Died(how, false) => format!(
+                "the HDF5 helper process reading it {how} (killed from outside, the out-of-memory killer perhaps; \
+                 the next read starts a new one)"
+            ),
+            Lost::Unavailable(why) => format!("no HDF5 helper process could be started to read it: {why}"),
+        }
+    }
+
+    /// The error of a request on an open file.
+    fn field_error(self) -> FieldError {
+        match self {
+            Lost::Gone => FieldError::Reopen,
+            Lost::Died(_, its_doing) => {
+                let file_crashed_it = its_doing;
+                FieldError::Helper { message: self.message(), file_crashed_it }
+            }
+            Lost::Unavailable(_) => FieldError::Helper { message: self.message(), file_crashed_it: false },
         }
     }
 }
@@ -207,7 +228,7 @@ impl Helper {
                 std::thread::sleep(at.saturating_duration_since(Instant::now()));
             }
             let (child, sock) = process::spawn(&self.creds, self.limits.memory_bytes)
-                .map_err(|e| Lost::Died(format!("could not be started ({e})")))?;
+                .map_err(|e| Lost::Unavailable(format!("it could not be started ({e})")))?;
             let _ = sock.set_read_timeout(Some(self.limits.timeout));
             let _ = sock.set_write_timeout(Some(self.limits.timeout));
             state.conn = Some((child, sock));
@@ -226,8 +247,8 @@ impl Helper {
                 Ok((reply, generation))
             }
             Err(e) => {
-                let how = self.bury(&mut state, e);
-                Err(Lost::Died(how))
+                let (how, its_doing) = self.bury(&mut state, e);
+                Err(Lost::Died(how, its_doing))
             }
         }
     }
@@ -278,8 +299,11 @@ impl Helper {
     }
 
     /// Kills the helper after `error`, reaps it, and says how it ended.
-    fn bury(&self, state: &mut State, error: std::io::Error) -> String {
-        let Some((mut child, sock)) = state.conn.take() else { return "ended".into() };
+    /// Returns how it ended, and whether that was the request's doing: a
+    /// hang, or a fault signal (SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL,
+    /// SIGSYS), not a kill from outside (the OOM killer's SIGKILL).
+    fn bury(&self, state: &mut State, error: std::io::Error) -> (String, bool) {
+        let Some((mut child, sock)) = state.conn.take() else { return ("ended".into(), false) };
         drop(sock);
         self.running.store(false, Ordering::Relaxed);
         self.deaths.fetch_add(1, Ordering::Relaxed);
@@ -301,11 +325,16 @@ impl Helper {
                 }
             }
         };
+        use std::os::unix::process::ExitStatusExt;
+        let signal = status.and_then(|s| s.signal());
+        let faulted = matches!(
+            signal,
+            Some(libc::SIGSEGV | libc::SIGBUS | libc::SIGABRT | libc::SIGFPE | libc::SIGILL | libc::SIGSYS)
+        );
         let how = if timed_out {
             format!("did not answer within {} s (helper killed)", self.limits.timeout.as_secs_f64())
         } else {
-            use std::os::unix::process::ExitStatusExt;
-            match status.and_then(|s| s.signal()) {
+            match signal {
                 Some(signal) => format!("crashed (helper killed by signal {signal}{})", signal_name(signal)),
                 None => format!("failed ({error}; helper exited: {})", status.map_or("?".into(), |s| s.to_string())),
             }
@@ -313,10 +342,12 @@ impl Helper {
         tracing::warn!(creds = ?self.creds, pid = child.id(), reason = %how, "HDF5 helper died; what it owed fails, the next use starts a new one");
         state.generation += 1;
         state.failures = state.failures.saturating_add(1);
-        // 0 s after a first death, then 0.1, 0.2, ... up to 10 s between starts.
-        let wait = Duration::from_millis(100).saturating_mul(1 << state.failures.saturating_sub(1).min(7));
-        state.not_before = (state.failures > 1).then(|| Instant::now() + wait.min(Duration::from_secs(10)));
-        how
+        // 0 s after a first death, then 0.1, 0.2, ... up to 2 s between starts
+        // (a file that crashed its helper is not read again until it changes,
+        // so deaths in a row take many crafted files).
+        let wait = Duration::from_millis(100).saturating_mul(1 << state.failures.saturating_sub(1).min(5));
+        state.not_before = (state.failures > 1).then(|| Instant::now() + wait.min(Duration::from_secs(2)));
+        (how, timed_out || faulted)
     }
 }
 
@@ -388,9 +419,11 @@ impl LibFile for RemoteFile {
         match self.helper.call(&request, None, Some(self.generation), None) {
             Ok((Reply::Located(loc), _)) => Ok(loc),
             Ok((Reply::Failed(_), _)) => Err(FieldError::Locate { chunk: chunk_start.to_vec() }),
-            Ok((other, _)) => Err(FieldError::Helper(format!("the HDF5 helper answered {other:?} to a lookup"))),
-            Err(Lost::Gone) => Err(FieldError::Reopen),
-            Err(lost) => Err(FieldError::Helper(lost.message())),
+            Ok((other, _)) => Err(FieldError::Helper {
+                message: format!("the HDF5 helper answered {other:?} to a lookup"),
+                file_crashed_it: false,
+            }),
+            Err(lost) => Err(lost.field_error()),
         }
     }
 
@@ -405,9 +438,11 @@ impl LibFile for RemoteFile {
         match self.helper.call(&request, None, Some(self.generation), Some(dst)) {
             Ok((Reply::Data, _)) => Ok(()),
             Ok((Reply::Failed(_), _)) => Err(FieldError::Library { start: start.to_vec(), count: count.to_vec() }),
-            Ok((other, _)) => Err(FieldError::Helper(format!("the HDF5 helper answered {other:?} to a read"))),
-            Err(Lost::Gone) => Err(FieldError::Reopen),
-            Err(lost) => Err(FieldError::Helper(lost.message())),
+            Ok((other, _)) => Err(FieldError::Helper {
+                message: format!("the HDF5 helper answered {other:?} to a read"),
+                file_crashed_it: false,
+            }),
+            Err(lost) => Err(lost.field_error()),
         }
     }
 }

@@ -35,6 +35,10 @@ pub(super) struct Hdf5File {
     pub(super) used: AtomicU64,
     /// When its size and mtime were last checked, in µs since [`EPOCH`].
     pub(super) checked_us: AtomicU64,
+    /// Set when a read of it crashed (or hung) its HDF5 helper: the error,
+    /// given again for every later read without asking a helper (a crafted
+    /// file must not crash helpers in a loop). A changed file is a new one.
+    pub(super) crashed: std::sync::OnceLock<String>,
 }
 
 /// Reads of one file check it for changes at most this often (an `fstat`

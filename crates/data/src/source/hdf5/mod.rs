@@ -190,6 +190,7 @@ impl Hdf5Source {
                 handle: RwLock::new(Some(Arc::new(handle))),
                 used: AtomicU64::new(0),
                 checked_us: AtomicU64::new(0),
+                crashed: std::sync::OnceLock::new(),
             });
             limit.opened(&file);
             files.push(file);
@@ -344,6 +345,17 @@ impl Hdf5Source {
         let index = sample.index;
         let file_idx = self.starts.partition_point(|&s| s <= index) - 1;
         let file = &self.files[file_idx];
+        if let Some(why) = file.crashed.get() {
+            let local = index - self.starts[file_idx];
+            return Err(SourceError::Read {
+                path: file.path.clone(),
+                field: self.fields[0].name.clone(),
+                h5path: self.fields[0].origin.clone(),
+                index,
+                row: local / file.windows,
+                message: why.clone(),
+            });
+        }
         let handle = self.handle(file)?;
         check_unchanged(file, &handle)?;
         let local = index - self.starts[file_idx];
@@ -359,7 +371,10 @@ impl Hdf5Source {
             let reader = &handle.fields[f];
             let spec = &self.fields[f];
             let read_err = |e: field::FieldError| {
-                if matches!(e, field::FieldError::Helper(_) | field::FieldError::Reopen) {
+                if let field::FieldError::Helper { message, file_crashed_it: true } = &e {
+                    let _ = file.crashed.set(message.clone());
+                }
+                if matches!(e, field::FieldError::Helper { .. } | field::FieldError::Reopen) {
                     // The helper that had the file open is gone: the next
                     // read opens it again (through a new helper).
                     file.close();

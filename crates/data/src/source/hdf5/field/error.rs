@@ -9,10 +9,16 @@ use super::filter_name;
 /// and field (the messages follow them).
 #[derive(Debug, thiserror::Error)]
 pub enum FieldError {
-    /// The HDF5 helper reading this file crashed, hung or was restarted
-    /// (what happened and what to do).
-    #[error("{0}")]
-    Helper(String),
+    /// The HDF5 helper reading this file crashed or hung on it, or none
+    /// could be started (what happened and what to do).
+    #[error("{message}")]
+    Helper {
+        /// What happened, and what to do.
+        message: String,
+        /// The helper died on this file's request (the file is then not
+        /// read again until it changes).
+        file_crashed_it: bool,
+    },
     /// The HDF5 helper that opened this file has been restarted since (the
     /// file must be opened again).
     #[error(
