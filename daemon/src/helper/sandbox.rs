@@ -115,18 +115,31 @@ const DENIED: &[i64] = &[
     libc::SYS_creat,
 ];
 
+/// Why the filter could not be installed.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum SandboxError {
+    /// seccompiler does not build filters for this machine.
+    #[error("no seccomp filter for {0} machines")]
+    Arch(&'static str),
+    /// A rule or the filter could not be built, or the kernel refused it.
+    #[error("{0}")]
+    Seccomp(#[from] seccompiler::Error),
+    /// The filter could not be compiled to BPF.
+    #[error("{0}")]
+    Backend(#[from] seccompiler::BackendError),
+}
+
 /// The helper's filter, compiled for this machine.
-fn filter() -> Result<seccompiler::BpfProgram, String> {
-    let arch: TargetArch = std::env::consts::ARCH.try_into().map_err(|e| format!("{e:?}"))?;
+fn filter() -> Result<seccompiler::BpfProgram, SandboxError> {
+    let arch: TargetArch = std::env::consts::ARCH.try_into().map_err(|_| SandboxError::Arch(std::env::consts::ARCH))?;
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = DENIED.iter().map(|&call| (call, Vec::new())).collect();
     // Opens that could write or create: any access mode but read-only, or
     // O_CREAT / O_TRUNC.
-    let flag_rules = |arg: u8| -> Result<Vec<SeccompRule>, String> {
+    let flag_rules = |arg: u8| -> Result<Vec<SeccompRule>, SandboxError> {
         let cond = |mask: u64, value: u64| {
             SeccompCondition::new(arg, SeccompCmpArgLen::Dword, SeccompCmpOp::MaskedEq(mask), value)
-                .map_err(|e| e.to_string())
         };
-        let rule = |c| SeccompRule::new(vec![c]).map_err(|e| e.to_string());
+        let rule = |c| SeccompRule::new(vec![c]);
         let mode = libc::O_ACCMODE as u64;
         Ok(vec![
             rule(cond(mode, libc::O_WRONLY as u64)?)?,
@@ -138,14 +151,13 @@ fn filter() -> Result<seccompiler::BpfProgram, String> {
     rules.insert(libc::SYS_openat, flag_rules(2)?);
     #[cfg(target_arch = "x86_64")]
     rules.insert(libc::SYS_open, flag_rules(1)?);
-    let filter = SeccompFilter::new(rules, SeccompAction::Allow, SeccompAction::Errno(libc::EPERM as u32), arch)
-        .map_err(|e| e.to_string())?;
-    filter.try_into().map_err(|e: seccompiler::BackendError| e.to_string())
+    let filter = SeccompFilter::new(rules, SeccompAction::Allow, SeccompAction::Errno(libc::EPERM as u32), arch)?;
+    Ok(filter.try_into()?)
 }
 
 /// Installs the filter on this process (the helper has one thread, and has
 /// `no_new_privs` from its start).
-pub(super) fn install() -> Result<(), String> {
+pub(super) fn install() -> Result<(), SandboxError> {
     let program = filter()?;
-    seccompiler::apply_filter(&program).map_err(|e| e.to_string())
+    Ok(seccompiler::apply_filter(&program)?)
 }

@@ -347,10 +347,11 @@ impl Hdf5Source {
         let file = &self.files[file_idx];
         if let Some(why) = file.crashed.get() {
             let local = index - self.starts[file_idx];
+            let first = self.fields.first();
             return Err(SourceError::Read {
                 path: file.path.clone(),
-                field: self.fields[0].name.clone(),
-                h5path: self.fields[0].origin.clone(),
+                field: first.map_or_else(String::new, |f| f.name.clone()),
+                h5path: first.map_or_else(String::new, |f| f.origin.clone()),
                 index,
                 row: local / file.windows,
                 message: why.clone(),

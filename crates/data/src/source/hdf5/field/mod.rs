@@ -565,7 +565,7 @@ pub(crate) fn open_own_dataset(group: &hdf5::Group, path: &str) -> Result<hdf5::
 /// Reads the chunked layout's metadata: chunk shape, filters, fill value.
 fn chunked(dataset: &hdf5::Dataset, file_type: &hdf5::Datatype, rank: usize, elem: usize) -> LayoutFacts {
     use hdf5_sys::h5d::H5Dget_create_plist;
-    use hdf5_sys::h5p::{H5Pclose, H5Pget_chunk, H5Pget_fill_value, H5Pget_filter2, H5Pget_nfilters};
+    use hdf5_sys::h5p::{H5Pclose, H5Pget_chunk, H5Pget_fill_value};
 
     let mut chunk = vec![0 as hsize_t; rank];
     let mut fill = vec![0u8; elem];
@@ -574,8 +574,7 @@ fn chunked(dataset: &hdf5::Dataset, file_type: &hdf5::Datatype, rank: usize, ele
         // SAFETY: the dataset and type ids are valid while their owners live;
         // the property list is created here and closed before returning;
         // buffers are sized as libhdf5 expects (rank dims, one fill element
-        // of the file type, 32 client-data values, a 256-byte name); all under
-        // hdf5-metno's global lock.
+        // of the file type); all under hdf5-metno's global lock.
         unsafe {
             let dcpl = H5Dget_create_plist(dataset.id());
             if dcpl < 0 {
@@ -583,29 +582,12 @@ fn chunked(dataset: &hdf5::Dataset, file_type: &hdf5::Datatype, rank: usize, ele
             }
             let got = H5Pget_chunk(dcpl, rank as i32, chunk.as_mut_ptr());
             let fill_ok = H5Pget_fill_value(dcpl, file_type.id(), fill.as_mut_ptr().cast()) >= 0;
-            let n = H5Pget_nfilters(dcpl).max(0);
-            for i in 0..n {
-                let mut flags: c_uint = 0;
-                let mut nelmts: usize = 32;
-                let mut cd = vec![0 as c_uint; 32];
-                let mut name = [0 as c_char; 256];
-                let mut config: c_uint = 0;
-                let id = H5Pget_filter2(
-                    dcpl,
-                    i as c_uint,
-                    &mut flags,
-                    &mut nelmts,
-                    cd.as_mut_ptr(),
-                    name.len(),
-                    name.as_mut_ptr(),
-                    &mut config,
-                );
-                cd.truncate(nelmts.min(32));
-                let name = std::ffi::CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned();
-                filters.push(FilterSpec { id: id as u32, flags, client_data: cd, name });
-            }
+            let (read, whole) = filters_of(dcpl);
+            filters = read;
             H5Pclose(dcpl);
-            got == rank as i32 && fill_ok
+            // A filter that cannot be read must not be skipped: decoding
+            // without it would serve wrong values.
+            got == rank as i32 && fill_ok && whole
         }
     });
     if !ok || chunk.contains(&0) {
@@ -643,46 +625,64 @@ pub(crate) fn native_type(file_type: &hdf5::Datatype) -> hdf5::Result<hdf5::Data
     unsafe { hdf5::from_id(id) }
 }
 
-/// The dataset's filter pipeline (`H5Pget_filter2`), empty when it has none.
+/// The dataset's filter pipeline (`H5Pget_filter2`), empty when it has none;
+/// entries libhdf5 cannot describe are left out.
 pub(crate) fn pipeline(dataset: &hdf5::Dataset) -> Vec<FilterSpec> {
     use hdf5_sys::h5d::H5Dget_create_plist;
-    use hdf5_sys::h5p::{H5Pclose, H5Pget_filter2, H5Pget_nfilters};
+    use hdf5_sys::h5p::H5Pclose;
     hdf5::sync::sync(|| {
-        let mut filters = Vec::new();
         // SAFETY: the dataset id is valid while `dataset` lives; the property
-        // list is created here and closed before returning; buffers are sized
-        // as passed (32 client-data values, a 256-byte name); under
+        // list is created here and closed before returning; under
         // hdf5-metno's global lock.
         unsafe {
             let dcpl = H5Dget_create_plist(dataset.id());
             if dcpl < 0 {
-                return filters;
+                return Vec::new();
             }
-            for i in 0..H5Pget_nfilters(dcpl).max(0) {
-                let (mut flags, mut nelmts, mut config): (c_uint, usize, c_uint) = (0, 32, 0);
-                let mut cd = vec![0 as c_uint; 32];
-                let mut name = [0 as c_char; 256];
-                let id = H5Pget_filter2(
-                    dcpl,
-                    i as c_uint,
-                    &mut flags,
-                    &mut nelmts,
-                    cd.as_mut_ptr(),
-                    name.len(),
-                    name.as_mut_ptr(),
-                    &mut config,
-                );
-                if id < 0 {
-                    continue;
-                }
-                cd.truncate(nelmts.min(32));
-                let name = std::ffi::CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned();
-                filters.push(FilterSpec { id: id as u32, flags, client_data: cd, name });
-            }
+            let (filters, _) = filters_of(dcpl);
             H5Pclose(dcpl);
+            filters
         }
-        filters
     })
+}
+
+/// The filters of the dataset creation property list `dcpl`, and whether
+/// every entry could be read (the ones that could not are left out).
+///
+/// # Safety
+/// `dcpl` is a valid property list id; the caller holds hdf5-metno's lock.
+unsafe fn filters_of(dcpl: hdf5_sys::h5i::hid_t) -> (Vec<FilterSpec>, bool) {
+    use hdf5_sys::h5p::{H5Pget_filter2, H5Pget_nfilters};
+    let mut filters = Vec::new();
+    let mut whole = true;
+    // SAFETY: `dcpl` is valid (the caller's contract); buffers are sized as
+    // passed (32 client-data values, a 256-byte name, NUL-terminated by
+    // libhdf5 within it).
+    unsafe {
+        for i in 0..H5Pget_nfilters(dcpl).max(0) {
+            let (mut flags, mut nelmts, mut config): (c_uint, usize, c_uint) = (0, 32, 0);
+            let mut cd = vec![0 as c_uint; 32];
+            let mut name = [0 as c_char; 256];
+            let id = H5Pget_filter2(
+                dcpl,
+                i as c_uint,
+                &mut flags,
+                &mut nelmts,
+                cd.as_mut_ptr(),
+                name.len(),
+                name.as_mut_ptr(),
+                &mut config,
+            );
+            if id < 0 {
+                whole = false;
+                continue;
+            }
+            cd.truncate(nelmts.min(32));
+            let name = std::ffi::CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned();
+            filters.push(FilterSpec { id: id as u32, flags, client_data: cd, name });
+        }
+    }
+    (filters, whole)
 }
 
 /// Whether libhdf5 can apply filter `id`: built in, registered, or loadable
