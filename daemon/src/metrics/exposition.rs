@@ -109,6 +109,7 @@ impl Metrics {
             worker_threads: scrape.worker_threads,
             worker_busy_s: worker_busy().as_secs_f64(),
             hdf5_helpers: scrape.hdf5_helpers,
+            fills: scrape.fills,
         }
     }
 }
@@ -149,6 +150,7 @@ struct Snapshot {
     worker_threads: u64,
     worker_busy_s: f64,
     hdf5_helpers: (u64, u64),
+    fills: (u64, u64),
 }
 
 /// A dataset's label: a named dataset's name; an ad-hoc dataset's path never
@@ -275,6 +277,22 @@ impl Snapshot {
             None,
             Counter,
             Int(self.hdf5_helpers.1),
+        )?;
+        single(
+            e,
+            "stoker_fills_in_flight",
+            "Batch fills queued on or running in the worker pool (at most twice the workers per user)",
+            None,
+            Gauge,
+            Int(self.fills.0),
+        )?;
+        single(
+            e,
+            "stoker_streams_waiting",
+            "Streams waiting for their user's turn to fill (their user has its share of fills in flight)",
+            None,
+            Gauge,
+            Int(self.fills.1),
         )?;
         Ok(())
     }

@@ -47,6 +47,9 @@ pub struct Scrape {
     pub worker_threads: u64,
     /// HDF5 helper processes running, and helper deaths since start.
     pub hdf5_helpers: (u64, u64),
+    /// Fills in flight (queued or running), and streams waiting for their
+    /// user's turn (the fair gate's bounds).
+    pub fills: (u64, u64),
 }
 
 impl Metrics {

@@ -232,6 +232,10 @@ impl Daemon {
                 let (running, deaths) = self.datasets.helper_counts();
                 (running as u64, deaths)
             },
+            fills: {
+                let (in_flight, waiting) = self.fair.load();
+                (in_flight as u64, waiting as u64)
+            },
         })
     }
 }

@@ -117,7 +117,14 @@ impl Stream {
                 st.next_produce = 0;
             }
             let step = st.next_produce;
+            // This user's (and within it this stream's) share of fills in flight.
+            if let Some((gate, uid)) = &self.meta.share
+                && !gate.try_start(*uid, self.meta.id, self)
+            {
+                return;
+            }
             if !self.spawn_fill(st, slot, st.produce_epoch, step) {
+                self.fill_not_started();
                 return;
             }
             st.next_produce += 1;
@@ -138,9 +145,6 @@ impl Stream {
         let generation = st.generation;
         let stream = self.clone();
         let parts = self.pool.current_num_threads();
-        if let Some((gate, uid)) = &self.meta.share {
-            gate.fill_started(*uid);
-        }
         self.pool.spawn(move || {
             // Backstop: a panic outside the per-sample guard in `produce`.
             let produced = catch_unwind(AssertUnwindSafe(|| stream.produce(writer, parts, epoch, generation, step)));
@@ -158,10 +162,23 @@ impl Stream {
             });
             stream.complete(id, generation, epoch, step, rows, outcome);
             if let Some((gate, uid)) = &stream.meta.share {
-                gate.fill_finished(*uid);
+                // No lock is held here: the streams whose turn it is fill now.
+                gate.fill_finished(*uid, stream.meta.id).wake();
             }
         });
         true
+    }
+
+    /// Gives back a fill counted by the fair gate that did not start. Called
+    /// under the stream's lock, so the streams whose turn it is are woken
+    /// from the pool.
+    fn fill_not_started(self: &Arc<Self>) {
+        if let Some((gate, uid)) = &self.meta.share {
+            let woken = gate.fill_finished(*uid, self.meta.id);
+            if !woken.is_empty() {
+                self.pool.spawn(move || woken.wake());
+            }
+        }
     }
 
     /// Fills one batch; runs on the worker pool.
@@ -189,7 +206,7 @@ impl Stream {
         let busy = AtomicU64::new(0);
         writer.split(parts, MIN_ROWS_PER_TASK).into_par_iter().for_each(|mut part| {
             // This user's share of the workers (a lone user has them all).
-            let _permit = self.meta.share.as_ref().map(|(gate, uid)| gate.enter(*uid));
+            let _permit = self.meta.share.as_ref().map(|(gate, uid)| gate.enter(*uid, self.meta.id));
             let _timer = Timer::new(&busy);
             for row in part.rows() {
                 let index = sampler.index(perm.as_ref(), step, row);
@@ -261,11 +278,18 @@ impl Stream {
                 st.slots[id] = Slot { state: SlotState::Absent, segment: None };
             }
             match self.oversize_layout(&oversize).and_then(|layout| self.grow(&mut st, &layout, true)) {
-                Ok(big) if self.spawn_fill(&mut st, big, epoch, step) => {
-                    tracing::debug!(stream = self.meta.id, epoch, step, "batch produced again in a slot of its own");
-                    return;
+                Ok(big) => {
+                    // It takes the place of the fill that just ended (outside the cap).
+                    if let Some((gate, uid)) = &self.meta.share {
+                        gate.fill_started(*uid, self.meta.id);
+                    }
+                    if self.spawn_fill(&mut st, big, epoch, step) {
+                        tracing::debug!(stream = self.meta.id, epoch, step, "batch produced again in a slot of its own");
+                        return;
+                    }
+                    self.fill_not_started();
+                    error = Some("a fresh segment was already claimed (a bug)".to_string());
                 }
-                Ok(_) => error = Some("a fresh segment was already claimed (a bug)".to_string()),
                 Err(why) => {
                     error = Some(format!("{}; {why}", oversize_message.unwrap_or_default()));
                 }

@@ -547,6 +547,9 @@ impl Stream {
             *slot = Slot { state: SlotState::Absent, segment: None };
         }
         drop(st);
+        if let Some((gate, uid)) = &self.meta.share {
+            gate.stream_closed(*uid, self.meta.id);
+        }
         self.shm.reserved.lock().unwrap_or_else(|e| e.into_inner()).clear();
         self.meta.counters.observe_skips(&self.source());
     }
