@@ -460,6 +460,83 @@ def test_per_uid_connection_cap(keyed_daemon) -> None:
         assert read_reply(s)[0] == 0
 
 
+IDLE_HOLDER = (
+    "import socket, struct, sys\n"
+    "h = bytes.fromhex(sys.argv[2])\n"
+    "socks = []\n"
+    "for i in range(int(sys.argv[3])):\n"
+    "    s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); s.sendall(h)\n"
+    "    n = struct.unpack('<I', s.recv(4))[0]; body = s.recv(n)\n"
+    "    assert body[0] == 0, body\n"
+    "    socks.append(s)\n"
+    "print('ready', flush=True)\n"
+    "sys.stdin.readline()\n"
+    "closed = 0\n"
+    "for s in socks:\n"
+    "    s.settimeout(0.5)\n"
+    "    try:\n"
+    "        closed += s.recv(1) == b''\n"
+    "    except (socket.timeout, ConnectionResetError):\n"
+    "        pass\n"
+    "print(closed, flush=True)\n"
+)
+
+
+def _hold_idle(socket_path: str, n: int) -> subprocess.Popen[str]:
+    """`n` greeted connections of uid 65534 that then send nothing."""
+    python = "/usr/bin/python3"
+    if not os.access(python, os.X_OK):
+        pytest.skip("no system python3 for the second user")
+    holder = subprocess.Popen([python, "-c", IDLE_HOLDER, socket_path, hello().hex(), str(n)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, preexec_fn=as_nobody())
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+    return holder
+
+
+def _closed_of(holder: subprocess.Popen[str]) -> int:
+    out, _ = holder.communicate("\n", timeout=30)
+    return int(out.split()[-1])
+
+
+def test_idle_connections_give_way_when_the_daemon_is_full(keyed_daemon, stoker) -> None:
+    """Item 5 of issue 22 (finding 11): another user's idle connections (no
+    stream, no request) filled `max_connections` and everyone else was
+    refused. A full daemon now closes the longest-idle connection that holds
+    no stream (idle for `frame_timeout_s`), of the uid holding the most; a
+    connection with a stream is never closed."""
+    need_root()
+    d = keyed_daemon(f"allowed_uids = [{NOBODY}]\nframe_timeout_s = 1.0\n", extra="\n[limits]\nmax_connections = 4\n")
+    open_to_all(d)
+    poll(lambda: d.status()["clients"] == [], timeout=10)  # the readiness probe has gone
+    working = stoker.Loader("train", batch_size=8, shuffle=False, socket=d.socket)
+    holder = _hold_idle(d.socket, 3)
+    time.sleep(1.5)  # the holder's connections are idle now
+    # Full (1 + 3): a new Loader takes the place of one idle connection.
+    second = stoker.Loader("train", batch_size=8, shuffle=False, socket=d.socket)
+    assert sum(b["label"].shape[0] for b in second) > 0
+    assert _closed_of(holder) == 1
+    # The Loader with a stream was not touched.
+    assert sum(b["label"].shape[0] for b in working) > 0
+    second.close()
+    working.close()
+    assert d.alive()
+
+
+def test_a_users_own_idle_connections_give_way_at_its_cap(keyed_daemon) -> None:
+    """The same within one uid: at `max_connections_per_uid`, the user's own
+    longest-idle connection makes room for its new one."""
+    need_root()
+    d = keyed_daemon(f"allowed_uids = [{NOBODY}]\nframe_timeout_s = 1.0\n",
+                     extra="\n[limits]\nmax_connections_per_uid = 2\n")
+    open_to_all(d)
+    holder = _hold_idle(d.socket, 2)
+    time.sleep(1.5)
+    third = _hold_idle(d.socket, 1)
+    assert _closed_of(third) == 0
+    assert _closed_of(holder) == 1
+    assert d.alive()
+
+
 def test_a_started_message_must_finish_in_time(keyed_daemon, stoker, data) -> None:
     d = keyed_daemon("frame_timeout_s = 1.0\n")
     slow = raw_connect(d.socket)

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::os::fd::BorrowedFd;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use stoker_proto::{BatchLayout, ClientStatus, ErrorKind, OpenStream, Request, Response, StreamInfo};
 use tokio::io::{AsyncWriteExt, Interest};
@@ -59,7 +59,8 @@ pub(super) async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: 
             "uid {uid} is not allowed to use this daemon; the admin can add it to [server] allowed_uids \
              (or its group to allowed_gids)"
         );
-        refuse_bounded(&daemon, sock, WireError::new(ErrorKind::PermissionDenied, msg), settings.frame_timeout).await;
+        refuse_bounded(&daemon, uid, sock, WireError::new(ErrorKind::PermissionDenied, msg), settings.frame_timeout)
+            .await;
         return;
     }
     let _admission = match daemon.admit(uid) {
@@ -68,8 +69,8 @@ pub(super) async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: 
             if let Some(suppressed) = lock(&daemon.refusals).allow() {
                 tracing::warn!(uid, pid, suppressed, "refused: {full}");
             }
-            refuse_bounded(&daemon, sock, WireError::new(ErrorKind::Limit, full.to_string()), settings.frame_timeout)
-                .await;
+            let error = WireError::new(ErrorKind::Limit, full.to_string());
+            refuse_bounded(&daemon, uid, sock, error, settings.frame_timeout).await;
             return;
         }
     };
@@ -92,7 +93,8 @@ pub(super) async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: 
     let client =
         ClientStatus { id, pid, uid, job: None, streams: 0, connected_s: 0.0, wait_s: 0.0, stall_percent: 0.0 };
     lock(&daemon.clients).insert(id, client);
-    lock(&daemon.connected).insert(id, Instant::now());
+    let kick = Arc::new(tokio::sync::Notify::new());
+    lock(&daemon.connected).insert(id, admission::Presence::new(uid, kick.clone()));
 
     let (tx, mut frames) = mpsc::channel(MAX_BACKLOG);
     let read_task = tokio::spawn(read_frames(reader, tx, settings.limits.max_message_bytes, settings.frame_timeout));
@@ -106,11 +108,27 @@ pub(super) async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: 
                     break;
                 }
                 Some(Ok(req)) => {
-                    if conn.handle(req).await.is_err() {
+                    if let Some(p) = lock(&daemon.connected).get_mut(&id) {
+                        p.busy();
+                    }
+                    let ended = conn.handle(req).await.is_err();
+                    if let Some(p) = lock(&daemon.connected).get_mut(&id) {
+                        p.active(conn.streams.len());
+                    }
+                    if ended {
                         break;
                     }
                 }
             },
+            () = kick.notified() => {
+                // Idle (no stream, no request for a while) and its place was
+                // needed by a new connection: the daemon or its uid was full.
+                // (A request that came in the meantime and opened a stream wins.)
+                if conn.streams.is_empty() {
+                    tracing::info!(uid, pid, "closing an idle connection: its place was needed");
+                    break;
+                }
+            }
             _ = stop.changed() => {
                 // A client waiting for its next batch sleeps on the control
                 // page: a `Closed` record wakes it to reconnect to the next

@@ -57,7 +57,8 @@ pub struct Daemon {
     caches: Arc<Caches>,
     clients: Mutex<BTreeMap<u64, ClientStatus>>,
     streams: Mutex<BTreeMap<u64, Arc<Stream>>>,
-    connected: Mutex<HashMap<u64, Instant>>,
+    /// Every admitted connection: when it came, and whether it is idle.
+    connected: Mutex<HashMap<u64, admission::Presence>>,
     /// Open connections: in total, and per uid.
     admitted: Mutex<(usize, HashMap<u32, usize>)>,
     /// Refused connections are logged at most once per [`WARN_EVERY`]: a
@@ -65,8 +66,9 @@ pub struct Daemon {
     refusals: Mutex<Throttle>,
     next_id: AtomicU64,
     /// Refused connections being told why (each waits up to `frame_timeout_s`
-    /// for the peer's first message); beyond [`MAX_REFUSING`] they are closed at once.
-    refusing: Arc<std::sync::atomic::AtomicUsize>,
+    /// for the peer's first message), in total and per uid; beyond
+    /// [`MAX_REFUSING`] (or [`MAX_REFUSING_PER_UID`] of one uid) they are closed at once.
+    refusing: Mutex<(usize, HashMap<u32, usize>)>,
     own_uid: u32,
     metrics: crate::metrics::Metrics,
     /// Shared memory all streams may hold: `[limits] max_memory_bytes` less the caches.
@@ -132,7 +134,7 @@ impl Daemon {
             admitted: Mutex::new((0, HashMap::new())),
             refusals: Mutex::new(Throttle::default()),
             next_id: AtomicU64::new(1),
-            refusing: Arc::default(),
+            refusing: Mutex::new((0, HashMap::new())),
             own_uid: rustix::process::getuid().as_raw(),
             metrics: crate::metrics::Metrics::default(),
             memory,
@@ -373,22 +375,37 @@ pub async fn run(
 /// peer that is not allowed cannot hold the daemon's descriptors (each told
 /// connection waits up to `frame_timeout_s` for the peer's first message).
 const MAX_REFUSING: usize = 64;
+/// Refused connections of one uid told why at a time: one refused user
+/// cannot take every place and leave other refused users unanswered.
+const MAX_REFUSING_PER_UID: usize = 8;
 
-/// Tells a refused peer why (within [`MAX_REFUSING`] at a time) and closes.
-async fn refuse_bounded(daemon: &Daemon, sock: UnixStream, error: WireError, wait: Duration) {
-    use std::sync::atomic::Ordering::{AcqRel, Acquire};
-    let taken = daemon.refusing.fetch_update(AcqRel, Acquire, |n| (n < MAX_REFUSING).then_some(n + 1));
-    if taken.is_err() {
-        return; // dropped: closed unanswered
+/// Tells a refused peer why (within [`MAX_REFUSING`] at a time, and
+/// [`MAX_REFUSING_PER_UID`] of its uid) and closes.
+async fn refuse_bounded(daemon: &Daemon, uid: u32, sock: UnixStream, error: WireError, wait: Duration) {
+    {
+        let mut refusing = lock(&daemon.refusing);
+        let of_uid = refusing.1.get(&uid).copied().unwrap_or(0);
+        if refusing.0 >= MAX_REFUSING || of_uid >= MAX_REFUSING_PER_UID {
+            return; // dropped: closed unanswered
+        }
+        refusing.0 += 1;
+        *refusing.1.entry(uid).or_default() += 1;
     }
     /// Gives the place back however the refusal ends (a shutdown drops it).
-    struct Place<'a>(&'a std::sync::atomic::AtomicUsize);
+    struct Place<'a>(&'a Daemon, u32);
     impl Drop for Place<'_> {
         fn drop(&mut self) {
-            self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            let mut refusing = lock(&self.0.refusing);
+            refusing.0 = refusing.0.saturating_sub(1);
+            if let Some(n) = refusing.1.get_mut(&self.1) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    refusing.1.remove(&self.1);
+                }
+            }
         }
     }
-    let _place = Place(&daemon.refusing);
+    let _place = Place(daemon, uid);
     refuse(sock, error, wait).await;
 }
 

@@ -26,7 +26,7 @@ impl Daemon {
         let open: Vec<Arc<Stream>> =
             lock(&self.streams).values().filter(|s| visible.contains_key(&s.meta().client_id)).cloned().collect();
         let streams: Vec<_> = open.iter().map(|s| s.status()).collect();
-        let connected = lock(&self.connected).clone();
+        let connected: HashMap<u64, Instant> = lock(&self.connected).iter().map(|(id, p)| (*id, p.since)).collect();
         let clients = lock(&self.clients)
             .values()
             .filter(|c| visible.contains_key(&c.id))
