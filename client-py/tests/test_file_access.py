@@ -26,7 +26,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import SUBPROCESS_TIMEOUT_S, Daemon, check_field, make_config, stoker_bin
+from conftest import SUBPROCESS_TIMEOUT_S, Daemon, check_field, make_config, poll, stoker_bin
 from lmdb_data import key, write_env
 
 TEST_USER = "stoker-fa-test"
@@ -172,6 +172,41 @@ def test_globs_are_bounded_walks_beneath_the_allowed_roots(
     time.sleep(1.0)  # a walker left behind would use this second of CPU
     busy = Path(f"/proc/{daemon.proc.pid}/stat").read_text().split()
     assert int(busy[13]) + int(busy[14]) - before < 50, "the daemon is still busy after the clients left"
+
+
+def test_a_glob_walk_stops_when_its_client_leaves(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Item 3 of issue 22: a walk went on (bounded at 60 s) after the client
+    that asked for it had gone. Six `**` over a chain of 40 directories is a
+    walk of millions of listings; the client is killed a second in, and the
+    daemon stops walking: its CPU time stays still."""
+    chain = tmp_path / "chain"
+    deep = chain
+    for i in range(40):
+        deep = deep / f"d{i}"
+    deep.mkdir(parents=True)
+    daemon = start_daemon(allowed_roots=[tmp_path], threads=2)
+    pattern = str(chain / "**" / "**" / "**" / "**" / "**" / "**" / "nothing.h5")
+    script = (
+        "import stoker, sys\n"
+        "stoker.Loader(stoker.hdf5(sys.argv[1], fields={'x': 'x'}), batch_size=2, socket=sys.argv[2], timeout=120)\n"
+    )
+    client = subprocess.Popen([sys.executable, "-c", script, pattern, daemon.socket])
+
+    def cpu() -> int:
+        fields = Path(f"/proc/{daemon.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+
+    start = cpu()
+    assert poll(lambda: cpu() - start > 50, 30), "the walk never started"  # half a second of walking
+    client.kill()
+    client.wait()
+    time.sleep(0.5)  # the walk notices at its next directory entry
+    before = cpu()
+    time.sleep(1.5)  # a walker left behind would use this time
+    assert cpu() - before < 30, "the daemon is still walking after its client left"
+    assert daemon.alive()
 
 
 def test_a_new_file_on_a_freed_inode_is_not_served_the_old_files_cache(

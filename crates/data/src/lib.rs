@@ -13,6 +13,7 @@
 #![deny(unsafe_code)]
 
 pub mod cache;
+pub mod cancel;
 pub mod fsaccess;
 pub mod inspect;
 pub mod sampler;

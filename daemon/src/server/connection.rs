@@ -40,6 +40,9 @@ struct Connection {
     budget: Arc<Budget>,
     /// Longest a reply may wait for the client to read (`[server] frame_timeout_s`).
     write_timeout: Duration,
+    /// Set when the client closed its end (or the connection ended): an
+    /// open still running for it stops.
+    gone: Arc<std::sync::atomic::AtomicBool>,
 }
 
 pub(super) async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: u64, mut stop: watch::Receiver<bool>) {
@@ -89,6 +92,7 @@ pub(super) async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: 
         bad_releases: Throttle::default(),
         budget: Budget::new(settings.limits.max_ring_bytes_per_client),
         write_timeout: settings.frame_timeout,
+        gone: Arc::default(),
     };
     let client =
         ClientStatus { id, pid, uid, job: None, streams: 0, connected_s: 0.0, wait_s: 0.0, stall_percent: 0.0 };
@@ -97,7 +101,14 @@ pub(super) async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: 
     lock(&daemon.connected).insert(id, admission::Presence::new(uid, kick.clone()));
 
     let (tx, mut frames) = mpsc::channel(MAX_BACKLOG);
-    let read_task = tokio::spawn(read_frames(reader, tx, settings.limits.max_message_bytes, settings.frame_timeout));
+    let gone = conn.gone.clone();
+    let (limit, deadline) = (settings.limits.max_message_bytes, settings.frame_timeout);
+    let read_task = tokio::spawn(async move {
+        read_frames(reader, tx, limit, deadline).await;
+        // The client closed its end (or broke the protocol): nobody waits
+        // for an open still running.
+        gone.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
     drop(settings);
     loop {
         tokio::select! {
@@ -141,6 +152,7 @@ pub(super) async fn serve_connection(daemon: Arc<Daemon>, sock: UnixStream, id: 
         }
     }
     read_task.abort();
+    conn.gone.store(true, std::sync::atomic::Ordering::Relaxed);
     for (_, stream) in conn.streams.drain() {
         stream.close(false);
         lock(&daemon.streams).remove(&stream.meta().id);
@@ -479,7 +491,14 @@ impl Connection {
     async fn open_dataset(&self, open: &OpenStream) -> Result<crate::dataset::Opened, WireError> {
         let daemon = self.daemon.clone();
         let (dataset, peer) = (open.dataset.clone(), self.peer);
-        tokio::task::spawn_blocking(move || daemon.datasets.open(&dataset, &peer)).await.map_err(|e| {
+        let gone = self.gone.clone();
+        tokio::task::spawn_blocking(move || {
+            // A glob walk stops when the client leaves.
+            let _scope = stoker_data::cancel::Scope::enter(gone);
+            daemon.datasets.open(&dataset, &peer)
+        })
+        .await
+        .map_err(|e| {
             let why = if e.is_panic() { crate::stream::panic_message(&*e.into_panic()) } else { e.to_string() };
             tracing::error!(dataset = ?open.dataset, %why, "opening a dataset panicked");
             WireError::new(

@@ -2,7 +2,8 @@
 //! with the daemon's threads, so the walk starts below the literal prefix
 //! (checked against `allowed_roots` before anything is listed), never follows
 //! a symlink into a directory under `**` (two self-links made it loop
-//! forever), and stops at bounds on depth, entries, matches and time.
+//! forever), and stops at bounds on depth, entries, matches and time, or
+//! when the client that asked has left ([`crate::cancel`]).
 
 use std::path::{Component, Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -27,6 +28,9 @@ pub(super) enum GlobError {
     /// The pattern is not an absolute path.
     #[error("the pattern must be an absolute path")]
     Relative,
+    /// The client left while the walk ran.
+    #[error("the client left while it was being matched")]
+    Cancelled,
     /// A bound was reached.
     #[error(
         "matching it looked at more than {what} (directories under `**` are not followed through symlinks); \
@@ -80,6 +84,9 @@ impl Walk {
         self.entries += 1;
         if self.entries > MAX_ENTRIES {
             return Err(GlobError::Bound { what: format!("{MAX_ENTRIES} directory entries") });
+        }
+        if self.entries.is_multiple_of(64) && crate::cancel::cancelled() {
+            return Err(GlobError::Cancelled);
         }
         if self.entries.is_multiple_of(1024) && self.started.elapsed() > DEADLINE {
             return Err(GlobError::Bound { what: format!("{} s of directory listing", DEADLINE.as_secs()) });
