@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -271,12 +272,18 @@ def recv_notifications(sock: Any) -> list[tuple[str, list[int]]]:
         out.append((msg.decode(), list(fds)))
 
 
+@pytest.mark.parametrize("changed", [False, True], ids=["same-files", "file-changed"])
 def test_caches_survive_a_restart_through_systemds_fd_store(
-    stoker: Any, tmp_path: Path, short_tmp: Path
+    stoker: Any, tmp_path: Path, short_tmp: Path, changed: bool
 ) -> None:
     """systemd's protocol, played by the test: `$NOTIFY_SOCKET` receives
     FDSTORE=1 with the memfd at a clean stop; the next daemon gets it as
-    `LISTEN_FDS` named `stoker-cache`, restores the caches and says FDSTOREREMOVE=1."""
+    `LISTEN_FDS` named `stoker-cache`, restores the caches and says FDSTOREREMOVE=1.
+
+    `file-changed` (issue 22, item 2): the environment's data file is touched
+    between the two daemons, its mtime put back to the nanosecond (only its
+    ctime tells). Its entries are not restored: they are stale, and could
+    never be hit."""
     import socket as socketlib
 
     from conftest import Daemon, make_config
@@ -304,6 +311,12 @@ def test_caches_survive_a_restart_through_systemds_fd_store(
     assert len(stored) == 1 and len(stored[0]) == 1, notes
     (fd,) = stored[0]
     assert "caches handed to systemd's fd store" in first.stderr()
+    if changed:
+        data_file = Path(imgs) / "data.mdb"
+        before = os.stat(data_file)
+        time.sleep(0.01)
+        os.utime(data_file, ns=(before.st_atime_ns, before.st_mtime_ns))
+        assert os.stat(data_file).st_ctime_ns != before.st_ctime_ns
 
     # The next start of the unit: the stored fd comes back as fd 3.
     wrapper = [
@@ -322,6 +335,10 @@ def test_caches_survive_a_restart_through_systemds_fd_store(
     try:
         assert "caches restored from systemd's fd store" in second.stderr()
         report = cache_ls(second)
+        if changed:
+            assert report["samples"]["entries"] == 0, report
+            assert f"stale={N_IMAGES}" in second.stderr(), second.stderr()
+            return
         assert report["samples"]["entries"] == N_IMAGES and report["samples"]["bytes"] == held["bytes"], report
         assert len(sample_rows(report)) == 1, report  # labels come back too
         # A job on the restarted daemon starts warm, and exact.

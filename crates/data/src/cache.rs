@@ -187,7 +187,21 @@ impl Cursor {
 pub struct Futures {
     cursors: RwLock<Vec<Weak<Cursor>>>,
     labels: RwLock<HashMap<u64, String>>,
+    /// Per dataset fingerprint, its files (resolved path, identity): what a
+    /// cache snapshot checks again before it restores the dataset's entries.
+    origins: RwLock<Origins>,
 }
+
+/// Datasets' files, at most [`MAX_ORIGIN_FILES`] in all.
+#[derive(Debug, Default)]
+struct Origins {
+    files: usize,
+    by_dataset: HashMap<u64, Arc<Vec<(std::path::PathBuf, crate::fsaccess::FileId)>>>,
+}
+
+/// Files whose identity [`Futures`] keeps for snapshots, all datasets
+/// together (a dataset beyond it is not restored from a snapshot).
+const MAX_ORIGIN_FILES: usize = 1 << 20;
 
 impl Futures {
     /// A registry with no streams.
@@ -223,6 +237,29 @@ impl Futures {
         if labels.len() < MAX_TRACKED || labels.contains_key(&dataset) {
             labels.insert(dataset, label.to_owned());
         }
+    }
+
+    /// Records the files of a dataset fingerprint, for snapshots.
+    pub fn origins(&self, dataset: u64, files: Vec<(std::path::PathBuf, crate::fsaccess::FileId)>) {
+        let mut origins = self.origins.write().unwrap_or_else(PoisonError::into_inner);
+        if origins.by_dataset.contains_key(&dataset) {
+            return;
+        }
+        if origins.files.saturating_add(files.len()) > MAX_ORIGIN_FILES {
+            // Forget datasets no label names any more (see `label`).
+            let labels = self.labels.read().unwrap_or_else(PoisonError::into_inner);
+            origins.by_dataset.retain(|d, _| labels.contains_key(d));
+            origins.files = origins.by_dataset.values().map(|v| v.len()).sum();
+        }
+        if origins.files.saturating_add(files.len()) <= MAX_ORIGIN_FILES {
+            origins.files += files.len();
+            origins.by_dataset.insert(dataset, Arc::new(files));
+        }
+    }
+
+    /// The files of a dataset fingerprint, if recorded.
+    pub fn origins_of(&self, dataset: u64) -> Option<Arc<Vec<(std::path::PathBuf, crate::fsaccess::FileId)>>> {
+        self.origins.read().unwrap_or_else(PoisonError::into_inner).by_dataset.get(&dataset).cloned()
     }
 
     /// The label of a dataset fingerprint.

@@ -95,6 +95,11 @@ impl FileId {
         file.metadata().map(|m| FileId::from_meta(&m))
     }
 
+    /// The identity of the file at `path` now (following symlinks).
+    pub fn of_path(path: &Path) -> std::io::Result<FileId> {
+        std::fs::metadata(path).map(|m| FileId::from_meta(&m))
+    }
+
     fn from_meta(m: &std::fs::Metadata) -> FileId {
         FileId {
             dev: m.dev(),

@@ -97,13 +97,14 @@ impl Resolved {
 /// Files opened by handle for a dataset.
 enum Files {
     Hdf5(Vec<fsaccess::Checked>),
-    Lmdb(CheckedLmdb, Vec<FileId>),
+    Lmdb(CheckedLmdb, Vec<(PathBuf, FileId)>),
 }
 
 impl Files {
-    fn ids(&self) -> Vec<FileId> {
+    /// Each file (resolved path) with its identity.
+    fn origins(&self) -> Vec<(PathBuf, FileId)> {
         match self {
-            Files::Hdf5(files) => files.iter().map(|f| f.id).collect(),
+            Files::Hdf5(files) => files.iter().map(|f| (f.canonical.clone(), f.id)).collect(),
             Files::Lmdb(_, ids) => ids.clone(),
         }
     }
@@ -168,18 +169,21 @@ impl Datasets {
             _ => Rights::Client(*peer),
         };
         let roots = (!matches!(dataset, DatasetRef::Named(_))).then_some(settings.allowed_roots.as_slice());
-        let (files, stats_ids) = fsaccess::with_rights(rights, || {
+        let (files, stats_origins) = fsaccess::with_rights(rights, || {
             let files = open_files(&resolved, roots)?;
             let stats = load_stats(resolved.steps_mut(), roots)?;
             Ok::<_, SourceError>((files, stats))
         })
         .map_err(|e| WireError::from(SourceError::from(e)))?
         .map_err(WireError::from)?;
-        let mut ids = files.ids();
-        ids.extend(stats_ids);
+        let mut origins = files.origins();
+        origins.extend(stats_origins);
+        let ids: Vec<FileId> = origins.iter().map(|(_, id)| *id).collect();
         let rescan = rescan == Rescan::Epoch;
         let fingerprint = stoker_data::cache::fingerprint(&(&key, &ids));
         self.caches.futures.label(fingerprint, &label);
+        // What a cache snapshot checks again before it restores this dataset's entries.
+        self.caches.futures.origins(fingerprint, origins);
         let cache = CacheCtx { caches: self.caches.clone(), dataset: fingerprint };
         // A poisoned source (its file found truncated or corrupt) is opened afresh.
         if let Some(entry) = self.lock().get_mut(&key)
@@ -451,13 +455,13 @@ fn open_files(resolved: &Resolved, roots: Option<&[PathBuf]>) -> Result<Files, S
                 }
                 let env = fsaccess::open(&field.env, roots, Want::FileOrDir)?;
                 let data = if env.is_dir { fsaccess::open_in(&env, "data.mdb")? } else { env };
-                ids.push(data.id);
+                ids.push((data.canonical.clone(), data.id));
                 checked.envs.push((field.env.clone(), data.id));
                 checked.data.push((field.env.clone(), data.file));
             }
             if let Some(path) = &spec.key_file {
                 let key_file = fsaccess::open(path, roots, Want::File)?;
-                ids.push(key_file.id);
+                ids.push((key_file.canonical.clone(), key_file.id));
                 checked.key_file = Some(key_file.file);
             }
             Ok(Files::Lmdb(checked, ids))
@@ -585,7 +589,7 @@ impl Resolved {
 pub fn load_stats<'a>(
     steps: impl Iterator<Item = &'a mut Step>,
     roots: Option<&[PathBuf]>,
-) -> Result<Vec<FileId>, SourceError> {
+) -> Result<Vec<(PathBuf, FileId)>, SourceError> {
     use std::io::Read;
     let mut ids = Vec::new();
     for step in steps {
@@ -605,7 +609,7 @@ pub fn load_stats<'a>(
             .take(stoker_decode::transform::stats::MAX_STATS_BYTES)
             .read_to_string(&mut text)
             .map_err(|e| bad(format!("cannot read the statistics file: {e}")))?;
-        ids.push(opened.id);
+        ids.push((opened.canonical.clone(), opened.id));
         *step = stoker_decode::transform::stats::normalize_step(&text, stats, key).map_err(|e| bad(e.to_string()))?;
     }
     Ok(ids)

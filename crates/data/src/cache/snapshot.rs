@@ -4,13 +4,22 @@
 //! back (`LISTEN_FDS`, named [`FD_NAME`]), loads what fits its caches, and
 //! asks systemd to forget it.
 //!
-//! Format (little-endian): magic `STOKCSH1`, the daemon version, then
-//! records: `tag u8` (1 label, 2 chunk, 3 sample, 0 end). A label is
-//! `dataset u64, len u32, utf-8`; a chunk `space u64, item u64, dataset u64,
-//! lo u64, hi u64, len u64, bytes`; a sample the same plus `dtype u8, ndim
-//! u8, dims u64…` before `len`. Sizes are checked against the caches'
-//! capacities before anything is allocated: a snapshot from another version
-//! or a damaged one is refused and the daemon starts cold.
+//! Only entries whose files are still the same files are restored: each
+//! dataset's files (resolved path and identity: device, inode, size, mtime,
+//! ctime, birth time) travel with the snapshot, and the entries of a dataset
+//! any of whose files changed, went or was never recorded are skipped. (Their
+//! keys hold the old identities, so they could never be hit; restoring them
+//! would only take memory.)
+//!
+//! Format (little-endian): magic `STOKCSH2`, the daemon version, then
+//! records: `tag u8` (1 label, 4 files, 2 chunk, 3 sample, 0 end). A label
+//! is `dataset u64, len u32, utf-8`; files `dataset u64, count u32` and per
+//! file `len u32, utf-8 path, dev u64, ino u64, size u64, mtime i128, ctime
+//! i128, btime i128`; a chunk `space u64, item u64, dataset u64, lo u64, hi
+//! u64, len u64, bytes`; a sample the same plus `dtype u8, ndim u8, dims
+//! u64…` before `len`. Sizes are checked against the caches' capacities
+//! before anything is allocated: a snapshot from another version or a
+//! damaged one is refused and the daemon starts cold.
 
 use std::fs::File;
 use std::io::{self, BufReader, BufWriter, Read, Seek, Write};
@@ -25,7 +34,7 @@ use stoker_decode::codec::{AlignedBuf, ArrayInfo};
 /// The name of the fd in the store.
 pub const FD_NAME: &str = "stoker-cache";
 
-const MAGIC: &[u8; 8] = b"STOKCSH1";
+const MAGIC: &[u8; 8] = b"STOKCSH2";
 
 const DTYPES: [DType; 11] = [
     DType::Bool,
@@ -66,6 +75,8 @@ pub struct Counts {
     pub entries: u64,
     /// Bytes of values.
     pub bytes: u64,
+    /// Entries skipped on import because their files changed (or are gone).
+    pub stale: u64,
 }
 
 impl Caches {
@@ -85,6 +96,25 @@ impl Caches {
                 w.write_all(&dataset.to_le_bytes())?;
                 put_str(&mut w, label)?;
             }
+            let chunks = self.chunks.snapshot();
+            let samples = self.samples.snapshot();
+            let datasets: std::collections::BTreeSet<u64> =
+                chunks.iter().map(|e| e.2.dataset).chain(samples.iter().map(|e| e.2.dataset)).collect();
+            for dataset in datasets {
+                let Some(files) = self.futures.origins_of(dataset) else { continue };
+                w.write_all(&[4])?;
+                w.write_all(&dataset.to_le_bytes())?;
+                w.write_all(&u32::try_from(files.len()).map_err(|_| bad("too many files"))?.to_le_bytes())?;
+                for (path, id) in files.iter() {
+                    put_str(&mut w, &path.to_string_lossy())?;
+                    for v in [id.dev, id.ino, id.size] {
+                        w.write_all(&v.to_le_bytes())?;
+                    }
+                    for v in [id.mtime_ns, id.ctime_ns, id.btime_ns] {
+                        w.write_all(&v.to_le_bytes())?;
+                    }
+                }
+            }
             let head = |w: &mut BufWriter<&mut File>, tag: u8, key: &Key, uses: &Uses| -> io::Result<()> {
                 w.write_all(&[tag])?;
                 for v in [key.space, key.item, uses.dataset, uses.lo, uses.hi] {
@@ -92,14 +122,14 @@ impl Caches {
                 }
                 Ok(())
             };
-            for (key, value, uses) in self.chunks.snapshot() {
+            for (key, value, uses) in chunks {
                 head(&mut w, 2, &key, &uses)?;
                 w.write_all(&(value.len() as u64).to_le_bytes())?;
                 w.write_all(&value)?;
                 counts.entries += 1;
                 counts.bytes += value.len() as u64;
             }
-            for (key, value, uses) in self.samples.snapshot() {
+            for (key, value, uses) in samples {
                 head(&mut w, 3, &key, &uses)?;
                 let ndim = u8::try_from(value.info.shape.len()).map_err(|_| bad("too many dimensions"))?;
                 w.write_all(&[dtype_code(value.info.dtype), ndim])?;
@@ -136,6 +166,8 @@ impl Caches {
             return Err(bad(&format!("written by stoker {version}, this is {}", env!("CARGO_PKG_VERSION"))));
         }
         let mut counts = Counts::default();
+        // Datasets whose files are all still the files the entries came from.
+        let mut same = std::collections::HashSet::new();
         loop {
             let mut tag = [0u8; 1];
             r.read_exact(&mut tag)?;
@@ -145,6 +177,32 @@ impl Caches {
                     let dataset = get_u64(&mut r)?;
                     let label = get_str(&mut r)?;
                     self.futures.label(dataset, &label);
+                }
+                4 => {
+                    let dataset = get_u64(&mut r)?;
+                    let mut n = [0u8; 4];
+                    r.read_exact(&mut n)?;
+                    let n = u32::from_le_bytes(n) as usize;
+                    if n > super::MAX_ORIGIN_FILES {
+                        return Err(bad("a dataset of more files than recorded"));
+                    }
+                    let mut files = Vec::with_capacity(n.min(4096));
+                    let mut unchanged = true;
+                    for _ in 0..n {
+                        let path = std::path::PathBuf::from(get_str(&mut r)?);
+                        let [dev, ino, size] = [get_u64(&mut r)?, get_u64(&mut r)?, get_u64(&mut r)?];
+                        let [mtime_ns, ctime_ns, btime_ns] = [get_i128(&mut r)?, get_i128(&mut r)?, get_i128(&mut r)?];
+                        let id = crate::fsaccess::FileId { dev, ino, size, mtime_ns, ctime_ns, btime_ns };
+                        // Checked now by path, as the daemon: a path swapped for
+                        // another file gives another identity, and no entry is
+                        // served from it (the keys hold the identity too).
+                        unchanged &= crate::fsaccess::FileId::of_path(&path).is_ok_and(|now| now == id);
+                        files.push((path, id));
+                    }
+                    if unchanged {
+                        same.insert(dataset);
+                        self.futures.origins(dataset, files);
+                    }
                 }
                 2 | 3 => {
                     let mut v = [0u64; 5];
@@ -163,6 +221,12 @@ impl Caches {
                         None
                     };
                     let len = get_u64(&mut r)?;
+                    if !same.contains(&uses.dataset) {
+                        // Its files changed (or were never recorded): skip its bytes.
+                        io::copy(&mut (&mut r).take(len), &mut io::sink())?;
+                        counts.stale += 1;
+                        continue;
+                    }
                     let capacity = if info.is_some() { self.samples.capacity() } else { self.chunks.capacity() };
                     let fits = usize::try_from(len).ok().filter(|&n| n <= capacity);
                     let Some(n) = fits else {
@@ -209,6 +273,12 @@ fn get_u64(r: &mut impl Read) -> io::Result<u64> {
     Ok(u64::from_le_bytes(b))
 }
 
+fn get_i128(r: &mut impl Read) -> io::Result<i128> {
+    let mut b = [0u8; 16];
+    r.read_exact(&mut b)?;
+    Ok(i128::from_le_bytes(b))
+}
+
 fn get_str(r: &mut impl Read) -> io::Result<String> {
     let mut b = [0u8; 4];
     r.read_exact(&mut b)?;
@@ -226,17 +296,26 @@ mod tests {
     use super::*;
     use crate::cache::Policy;
 
+    fn origins_of_a_new_file(dir: &std::path::Path, name: &str) -> Vec<(std::path::PathBuf, crate::fsaccess::FileId)> {
+        let path = dir.join(name);
+        std::fs::write(&path, b"data").unwrap();
+        let id = crate::fsaccess::FileId::of_path(&path).unwrap();
+        vec![(path, id)]
+    }
+
     #[test]
     fn a_snapshot_round_trips_and_a_damaged_one_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
         let caches = Caches::new(1 << 20, 1 << 20, Policy::Belady);
         caches.futures.label(7, "train");
+        caches.futures.origins(7, origins_of_a_new_file(dir.path(), "train.h5"));
         let uses = Uses { dataset: 7, lo: 0, hi: 16 };
         caches.chunks.insert(Key { space: 1, item: 2 }, Arc::new(vec![9u8; 100]), 100, uses);
         let info = ArrayInfo { dtype: DType::U16, shape: vec![2, 3] };
         let sample = Decoded::copy_of(&info, &[1u8; 12]);
         caches.samples.insert(Key { space: 3, item: 4 }, Arc::new(sample), 12, Uses::one(7, 4));
         let (fd, counts) = caches.export().unwrap();
-        assert_eq!(counts, Counts { entries: 2, bytes: 112 });
+        assert_eq!(counts, Counts { entries: 2, bytes: 112, stale: 0 });
 
         let fresh = Caches::new(1 << 20, 1 << 20, Policy::Belady);
         let loaded = fresh.import(fd.try_clone().unwrap()).unwrap();
@@ -248,12 +327,38 @@ mod tests {
 
         // A smaller daemon takes what fits.
         let small = Caches::new(50, 1 << 20, Policy::Belady);
-        assert_eq!(small.import(fd.try_clone().unwrap()).unwrap(), Counts { entries: 1, bytes: 12 });
+        assert_eq!(small.import(fd.try_clone().unwrap()).unwrap(), Counts { entries: 1, bytes: 12, stale: 0 });
 
         // Garbage is refused, and loads nothing.
         let junk = rustix::fs::memfd_create("junk", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
         let mut f = File::from(junk);
-        f.write_all(b"STOKCSH1\xff\xff\xff\xff").unwrap();
+        f.write_all(b"STOKCSH2\xff\xff\xff\xff").unwrap();
         assert!(fresh.import(f.into()).is_err());
+    }
+
+    #[test]
+    fn entries_of_files_changed_gone_or_unrecorded_are_not_restored() {
+        let dir = tempfile::tempdir().unwrap();
+        let caches = Caches::new(1 << 20, 1 << 20, Policy::Belady);
+        let uses = |dataset| Uses { dataset, lo: 0, hi: 16 };
+        for (dataset, name) in [(1, "kept.h5"), (2, "changed.h5"), (3, "gone.h5")] {
+            caches.futures.origins(dataset, origins_of_a_new_file(dir.path(), name));
+            caches.chunks.insert(Key { space: dataset, item: 0 }, Arc::new(vec![1u8; 10]), 10, uses(dataset));
+        }
+        // Dataset 4's files were never recorded.
+        caches.chunks.insert(Key { space: 4, item: 0 }, Arc::new(vec![1u8; 10]), 10, uses(4));
+        let (fd, counts) = caches.export().unwrap();
+        assert_eq!(counts.entries, 4);
+        // Rewritten in place with the same size (a new ctime), and removed.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::fs::write(dir.path().join("changed.h5"), b"DATA").unwrap();
+        std::fs::remove_file(dir.path().join("gone.h5")).unwrap();
+
+        let fresh = Caches::new(1 << 20, 1 << 20, Policy::Belady);
+        assert_eq!(fresh.import(fd).unwrap(), Counts { entries: 1, bytes: 10, stale: 3 });
+        assert!(fresh.chunks.get(&Key { space: 1, item: 0 }, 1).is_some());
+        for d in [2, 3, 4] {
+            assert!(fresh.chunks.get(&Key { space: d, item: 0 }, d).is_none());
+        }
     }
 }

@@ -19,8 +19,9 @@ pub(super) fn restore_caches(caches: &stoker_data::cache::Caches, inherited: Vec
             Ok(c) => tracing::info!(
                 entries = c.entries,
                 bytes = c.bytes,
+                stale = c.stale,
                 seconds = started.elapsed().as_secs_f64(),
-                "caches restored from systemd's fd store"
+                "caches restored from systemd's fd store (stale: entries of files changed since, not restored)"
             ),
             Err(e) => tracing::warn!(error = %e, "cannot restore the caches from systemd's fd store: starting cold"),
         }
