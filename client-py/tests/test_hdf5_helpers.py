@@ -120,6 +120,10 @@ def test_libhdf5_runs_in_helper_processes_not_in_the_daemon(start_daemon, stoker
     assert int(fields["CapEff"].strip(), 16) & ~(1 << 2) == 0, "no capability but CAP_DAC_READ_SEARCH"
     limits = Path(f"/proc/{helpers[0]}/limits").read_text()
     assert any(line.startswith("Max address space") and "unlimited" not in line for line in limits.splitlines())
+    # Each request's CPU is bounded too (renewed per request; the default
+    # helper_timeout_s is 60): RLIMIT_CPU's soft limit, a little past 60 s.
+    cpu = [line.split() for line in limits.splitlines() if line.startswith("Max cpu time")]
+    assert cpu and cpu[0][3] != "unlimited" and 60 < int(cpu[0][3]) <= 62 + 5, limits
     # A helper killed between requests (out of memory while idle, say) costs
     # nothing but a reopen.
     os.kill(helpers[0], 9)

@@ -109,6 +109,9 @@ enum Command {
         /// The socket shared with the daemon.
         #[arg(long)]
         fd: i32,
+        /// CPU seconds one request may use (`RLIMIT_CPU`, renewed per request; 0: unbounded).
+        #[arg(long, default_value_t = 0)]
+        cpu_s: u64,
     },
 }
 
@@ -166,9 +169,9 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Status { target, json, watch, wait } => status::run(&target, json, watch, wait),
         Command::Cache { action } => cache::run(action),
         Command::Datasets { target, json } => datasets::run(&target, json),
-        Command::Hdf5Helper { fd } => {
+        Command::Hdf5Helper { fd, cpu_s } => {
             let sock = crate::helper::serve::socket(fd)?;
-            crate::helper::serve::run(sock)?;
+            crate::helper::serve::run(sock, cpu_s)?;
             Ok(ExitCode::SUCCESS)
         }
     }

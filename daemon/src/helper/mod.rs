@@ -227,7 +227,7 @@ impl Helper {
             if let Some(at) = state.not_before.take() {
                 std::thread::sleep(at.saturating_duration_since(Instant::now()));
             }
-            let (child, sock) = process::spawn(&self.creds, self.limits.memory_bytes)
+            let (child, sock) = process::spawn(&self.creds, self.limits.memory_bytes, self.limits.timeout.as_secs().saturating_add(1))
                 .map_err(|e| Lost::Unavailable(format!("it could not be started ({e})")))?;
             let _ = sock.set_read_timeout(Some(self.limits.timeout));
             let _ = sock.set_write_timeout(Some(self.limits.timeout));
@@ -329,7 +329,15 @@ impl Helper {
         let signal = status.and_then(|s| s.signal());
         let faulted = matches!(
             signal,
-            Some(libc::SIGSEGV | libc::SIGBUS | libc::SIGABRT | libc::SIGFPE | libc::SIGILL | libc::SIGSYS)
+            Some(
+                libc::SIGSEGV
+                    | libc::SIGBUS
+                    | libc::SIGABRT
+                    | libc::SIGFPE
+                    | libc::SIGILL
+                    | libc::SIGSYS
+                    | libc::SIGXCPU
+            )
         );
         let how = if timed_out {
             format!("did not answer within {} s (helper killed)", self.limits.timeout.as_secs_f64())

@@ -2,7 +2,8 @@
 //! end of a socket pair, an empty environment (but `HDF5_PLUGIN_PATH`), and,
 //! set between fork and exec: the trust domain's uid, gid and groups (when
 //! the daemon runs as root), no capabilities beyond what reopening the files
-//! needs, `no_new_privs`, no core dumps, and a bounded address space.
+//! needs, `no_new_privs`, no core dumps, and a bounded address space. The
+//! helper itself bounds each request's CPU time (`--cpu-s`, see `serve.rs`).
 
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -24,13 +25,14 @@ pub(crate) enum Creds {
 }
 
 /// Starts a helper with `creds`, its address space bounded to `memory_bytes`
-/// (0: unbounded); returns it and the daemon's end of its socket.
-pub(crate) fn spawn(creds: &Creds, memory_bytes: u64) -> std::io::Result<(Child, UnixStream)> {
+/// (0: unbounded) and each request to `cpu_s` seconds of CPU (0:
+/// unbounded); returns it and the daemon's end of its socket.
+pub(crate) fn spawn(creds: &Creds, memory_bytes: u64, cpu_s: u64) -> std::io::Result<(Child, UnixStream)> {
     let (ours, theirs) = UnixStream::pair()?;
     let fd = theirs.as_raw_fd();
     let root = rustix::process::geteuid().is_root();
     let mut cmd = Command::new("/proc/self/exe");
-    cmd.arg("hdf5-helper").arg("--fd").arg(fd.to_string());
+    cmd.arg("hdf5-helper").arg("--fd").arg(fd.to_string()).arg("--cpu-s").arg(cpu_s.to_string());
     cmd.env_clear();
     for keep in ["HDF5_PLUGIN_PATH", "LD_LIBRARY_PATH"] {
         if let Some(value) = std::env::var_os(keep) {

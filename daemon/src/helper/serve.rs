@@ -31,9 +31,25 @@ pub fn socket(fd: i32) -> std::io::Result<UnixStream> {
     Ok(UnixStream::from(super::process::adopt(fd)))
 }
 
+/// Renews the CPU bound for the next request: `RLIMIT_CPU`'s soft limit
+/// `cpu_s` seconds past what the helper has used so far (the kernel sends
+/// SIGXCPU, which ends it, past that; the hard limit stays open so the next
+/// request can renew it). The daemon's wall-clock `helper_timeout_s` bounds
+/// a request too; this bounds it where the daemon's watch cannot, inside the
+/// process, whatever libhdf5 does with threads.
+fn bound_cpu(cpu_s: u64) {
+    if cpu_s == 0 {
+        return;
+    }
+    let used = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    let seconds = u64::try_from(used.tv_sec).unwrap_or(0) + 1;
+    let limit = rustix::process::Rlimit { current: Some(seconds.saturating_add(cpu_s)), maximum: None };
+    let _ = rustix::process::setrlimit(rustix::process::Resource::Cpu, limit);
+}
+
 /// Serves the daemon on `sock` until it closes it, under the helper's
-/// seccomp filter (`sandbox.rs`).
-pub fn run(sock: UnixStream) -> std::io::Result<()> {
+/// seccomp filter (`sandbox.rs`), each request within `cpu_s` seconds of CPU.
+pub fn run(sock: UnixStream, cpu_s: u64) -> std::io::Result<()> {
     if let Err(e) = super::sandbox::install() {
         // Still its own process, with its user's rights only: say so, go on.
         eprintln!("stoker hdf5-helper: cannot install the seccomp filter ({e}); running without it");
@@ -45,6 +61,7 @@ pub fn run(sock: UnixStream) -> std::io::Result<()> {
         let Some(request) = wire::recv::<Request>(&sock, &mut fds)? else {
             return Ok(());
         };
+        bound_cpu(cpu_s);
         match request {
             Request::Open { h5paths, fast_path } => {
                 let reply = match fds.pop() {
