@@ -227,8 +227,9 @@ impl Helper {
             if let Some(at) = state.not_before.take() {
                 std::thread::sleep(at.saturating_duration_since(Instant::now()));
             }
-            let (child, sock) = process::spawn(&self.creds, self.limits.memory_bytes, self.limits.timeout.as_secs().saturating_add(1))
-                .map_err(|e| Lost::Unavailable(format!("it could not be started ({e})")))?;
+            let (child, sock) =
+                process::spawn(&self.creds, self.limits.memory_bytes, self.limits.timeout.as_secs().saturating_add(1))
+                    .map_err(|e| Lost::Unavailable(format!("it could not be started ({e})")))?;
             let _ = sock.set_read_timeout(Some(self.limits.timeout));
             let _ = sock.set_write_timeout(Some(self.limits.timeout));
             state.conn = Some((child, sock));

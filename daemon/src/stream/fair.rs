@@ -71,7 +71,11 @@ impl Load {
     /// Streams of this uid with fills in flight or waiting for one, counting `stream`.
     fn active_streams(&self, stream: u64) -> usize {
         let mut n = self.streams.iter().filter(|(id, l)| l.fills > 0 && **id != stream).count() + 1;
-        n += self.waiting.iter().filter(|(id, _)| *id != stream && self.streams.get(id).is_none_or(|l| l.fills == 0)).count();
+        n += self
+            .waiting
+            .iter()
+            .filter(|(id, _)| *id != stream && self.streams.get(id).is_none_or(|l| l.fills == 0))
+            .count();
         n
     }
 
@@ -336,7 +340,8 @@ mod tests {
         let cap = gate.fill_cap();
         assert_eq!(cap, 4);
         let (a, b) = (Arc::new(Nobody), Arc::new(Nobody));
-        let started = |stream: u64, waker: &Arc<Nobody>, n: usize| (0..n).filter(|_| gate.try_start(1, stream, waker)).count();
+        let started =
+            |stream: u64, waker: &Arc<Nobody>, n: usize| (0..n).filter(|_| gate.try_start(1, stream, waker)).count();
         // A lone stream may have the whole cap in flight, no more.
         assert_eq!(started(1, &a, 8), cap);
         // Another user is not bounded by this user's fills.

@@ -284,7 +284,12 @@ impl Stream {
                         gate.fill_started(*uid, self.meta.id);
                     }
                     if self.spawn_fill(&mut st, big, epoch, step) {
-                        tracing::debug!(stream = self.meta.id, epoch, step, "batch produced again in a slot of its own");
+                        tracing::debug!(
+                            stream = self.meta.id,
+                            epoch,
+                            step,
+                            "batch produced again in a slot of its own"
+                        );
                         return;
                     }
                     self.fill_not_started();
