@@ -5,6 +5,7 @@ call ``set_epoch`` on."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 import warnings
 import weakref
@@ -80,6 +81,44 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _torch_data() -> Any:
+    """``torch.utils.data`` if this process imported it (never imports torch)."""
+    return sys.modules.get("torch.utils.data")
+
+
+def _as_iterable_dataset() -> None:
+    """Makes :class:`Loader` a virtual ``torch.utils.data.IterableDataset``
+    (``IterableDataset`` is an ABC), so ``DataLoader(loader, batch_size=None)``
+    iterates it instead of failing with "'Loader' object is not subscriptable".
+    Only once torch is imported: stoker does not import it."""
+    data = _torch_data()
+    dataset = getattr(data, "IterableDataset", None)
+    if dataset is None or not hasattr(dataset, "register"):
+        return
+    try:
+        if not issubclass(Loader, dataset):
+            dataset.register(Loader)
+    except TypeError:
+        pass
+
+
+def _refuse_many_dataloader_workers() -> None:
+    """In a DataLoader worker process, each of ``num_workers`` workers would
+    iterate its own copy of the Loader: every sample ``num_workers`` times.
+    One worker is served as is; more are refused, saying what to do."""
+    data = _torch_data()
+    info = data.get_worker_info() if data is not None and hasattr(data, "get_worker_info") else None
+    workers = getattr(info, "num_workers", 1) if info is not None else 1
+    if workers > 1:
+        raise RuntimeError(
+            f"stoker: this Loader is being iterated in each of {workers} DataLoader worker processes, which "
+            f"would deliver every sample {workers} times per epoch. stoker reads, decodes and batches in its "
+            "daemon, so DataLoader workers add nothing: iterate the Loader directly, or wrap it as "
+            "DataLoader(loader, batch_size=None) with num_workers=0 (the default). To run more processes, "
+            "give each its own rank (rank=, world_size=) instead."
+        )
 
 
 class _EpochSampler:
@@ -225,6 +264,7 @@ class Loader:
         self._step = 0
         self._resume: Optional[int] = None
         self._reset_unconnected()
+        _as_iterable_dataset()
         self._native()
 
     def _reset_unconnected(self) -> None:
@@ -341,6 +381,7 @@ class Loader:
         """One epoch. Like a ``DataLoader``'s, each ``iter()`` starts the epoch
         over from its first batch, except the first one after
         :meth:`load_state_dict`, which starts at the saved step."""
+        _refuse_many_dataloader_workers()
         resuming = self._resume is not None
         start = self._resume if self._resume is not None else 0
         if self.shuffle and not resuming and self._iterated == self._epoch and not self._warned_repeat:
@@ -477,6 +518,11 @@ class Loader:
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._reset_unconnected()
+        # The position travels: the next iteration goes on where the pickled
+        # Loader was (what its state_dict says), as after load_state_dict.
+        if self._resume is None and self._step > 0:
+            self._resume = self._step
+        _as_iterable_dataset()
 
     def _mapping_range(self) -> Tuple[int, int]:
         """(address, length) of the stream's shared-memory mapping; for tests."""

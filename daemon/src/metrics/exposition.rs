@@ -281,7 +281,7 @@ impl Snapshot {
         single(
             e,
             "stoker_fills_in_flight",
-            "Batch fills queued on or running in the worker pool (at most twice the workers per user)",
+            "Batch fills queued on or running in the worker pool (at most four per worker per user)",
             None,
             Gauge,
             Int(self.fills.0),

@@ -3,7 +3,7 @@
 //! Two bounds, both per uid, then per stream within the uid:
 //!
 //! * **Fills in flight** (queued on the pool or running): a uid may have at
-//!   most [`FairGate::fill_cap`] (twice the workers, at least 4), enough to
+//!   most [`FairGate::fill_cap`] (four per worker, at least 4), enough to
 //!   keep every worker busy and no more; within it each of the uid's active
 //!   streams may have `cap / active streams` (at least one). A stream turned
 //!   away queues in its uid's line and is woken, in turn, when a fill of that
@@ -39,7 +39,7 @@ impl WakeUp for super::Stream {
 }
 
 /// Fills in flight per worker that one uid may have.
-const FILLS_PER_WORKER: usize = 2;
+const FILLS_PER_WORKER: usize = 4;
 
 /// Fills in flight and parts reading, per uid and per stream.
 #[derive(Debug)]
@@ -336,7 +336,7 @@ mod tests {
 
     #[test]
     fn fills_in_flight_are_bounded_per_uid_then_shared_between_its_streams() {
-        let gate = FairGate::new(2);
+        let gate = FairGate::new(1);
         let cap = gate.fill_cap();
         assert_eq!(cap, 4);
         let (a, b) = (Arc::new(Nobody), Arc::new(Nobody));

@@ -36,6 +36,9 @@ pub const FD_NAME: &str = "stoker-cache";
 
 const MAGIC: &[u8; 8] = b"STOKCSH2";
 
+/// Bytes of paths one dataset's files may take when loaded back.
+const MAX_PATH_BYTES: usize = 64 << 20;
+
 const DTYPES: [DType; 11] = [
     DType::Bool,
     DType::U8,
@@ -187,6 +190,7 @@ impl Caches {
                         return Err(bad("a dataset of more files than recorded"));
                     }
                     let mut files = Vec::with_capacity(n.min(4096));
+                    let mut path_bytes = 0usize;
                     let mut unchanged = true;
                     for _ in 0..n {
                         let path = std::path::PathBuf::from(get_str(&mut r)?);
@@ -197,10 +201,17 @@ impl Caches {
                         // another file gives another identity, and no entry is
                         // served from it (the keys hold the identity too).
                         unchanged &= crate::fsaccess::FileId::of_path(&path).is_ok_and(|now| now == id);
-                        files.push((path, id));
+                        // Kept to be recorded again, within a bound on memory.
+                        path_bytes += path.as_os_str().len();
+                        if unchanged && path_bytes <= MAX_PATH_BYTES {
+                            files.push((path, id));
+                        }
                     }
                     if unchanged {
                         same.insert(dataset);
+                        if path_bytes > MAX_PATH_BYTES {
+                            continue; // restored, but not recorded for the next snapshot
+                        }
                         self.futures.origins(dataset, files);
                     }
                 }
