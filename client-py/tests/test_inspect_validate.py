@@ -377,3 +377,19 @@ def test_inspect_walks_each_group_once_through_hard_link_cycles(tmp_path: Path) 
     assert res.returncode == 0, res.stderr[-2000:]
     listed = sorted(d["path"] for d in json.loads(res.stdout))
     assert listed == sorted(seen) == ["a/x", "b/y"], listed
+
+
+def test_the_cli_ends_quietly_when_its_reader_has_gone(start_daemon: Callable[..., Any], data: Any) -> None:
+    """Issue 24, item 8: `stoker datasets | head -1` panicked ("failed
+    printing to stdout: Broken pipe", exit 101). Every report now ends
+    quietly with status 0 when stdout's reader has gone."""
+    d = start_daemon(datasets={f"set{i}": data for i in range(40)})
+    for args in (["datasets", "--socket", d.socket], ["status", "--socket", d.socket], ["datasets", "--json",
+                                                                                         "--socket", d.socket]):
+        for _ in range(3):
+            proc = subprocess.Popen([str(stoker_bin()), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            assert proc.stdout is not None and proc.stderr is not None
+            proc.stdout.close()  # the reader goes before the report is written
+            err = proc.stderr.read().decode()
+            assert proc.wait(timeout=SUBPROCESS_TIMEOUT_S) == 0, (args, err)
+            assert "panicked" not in err and "Broken pipe" not in err, (args, err)

@@ -14,17 +14,17 @@ pub(super) fn run(action: CacheAction) -> anyhow::Result<ExitCode> {
         CacheAction::Ls { target, json } => {
             let report = target.connect()?.cache_list()?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
+                outln!("{}", serde_json::to_string_pretty(&report)?);
             } else {
-                print!("{}", format_cache(&report));
+                out!("{}", format_cache(&report));
             }
         }
         CacheAction::Drop { dataset, all: _, target, json } => {
             let (entries, bytes) = target.connect()?.cache_drop(dataset.as_deref())?;
             if json {
-                println!("{}", serde_json::json!({ "dataset": dataset, "entries": entries, "bytes": bytes }));
+                outln!("{}", serde_json::json!({ "dataset": dataset, "entries": entries, "bytes": bytes }));
             } else {
-                println!(
+                outln!(
                     "dropped {entries} entries ({}) of {}",
                     human_bytes(bytes),
                     dataset.as_deref().unwrap_or("every dataset")
@@ -94,9 +94,9 @@ fn warm(dataset: &str, target: &Target, epochs: u64, batch_size: u64, json: bool
             "dataset": dataset, "epochs": epochs, "samples": samples, "seconds": seconds,
             "bytes": b1, "entries": e1, "added_bytes": b1.saturating_sub(b0),
         });
-        println!("{value}");
+        outln!("{value}");
     } else {
-        println!(
+        outln!(
             "warmed {dataset}: read {samples} samples in {seconds:.1} s; the caches hold {} of it in {e1} \
              entries",
             human_bytes(b1)

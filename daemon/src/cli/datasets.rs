@@ -9,13 +9,13 @@ use super::connect::Target;
 pub(super) fn run(target: &Target, json: bool) -> anyhow::Result<ExitCode> {
     let list = target.connect()?.datasets()?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&list)?);
+        outln!("{}", serde_json::to_string_pretty(&list)?);
     } else if list.is_empty() {
-        println!("no named datasets (add [datasets.NAME] tables to the daemon's config)");
+        outln!("no named datasets (add [datasets.NAME] tables to the daemon's config)");
     } else {
         for ds in list {
             let fields: Vec<String> = ds.fields.iter().map(|(k, v)| format!("{k}={v}")).collect();
-            println!("{:<20} {:<6} {}  {}", ds.name, ds.format, ds.files, fields.join(" "));
+            outln!("{:<20} {:<6} {}  {}", ds.name, ds.format, ds.files, fields.join(" "));
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -17,9 +17,9 @@ pub(super) fn run(files: &[PathBuf], probe: usize, json: bool) -> anyhow::Result
 fn lmdb(files: &[PathBuf], probe: usize, json: bool) -> anyhow::Result<ExitCode> {
     let envs = inspect::inspect_lmdb(files, probe)?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&envs)?);
+        outln!("{}", serde_json::to_string_pretty(&envs)?);
     } else {
-        print!("{}", inspect::format_lmdb_report(&envs));
+        out!("{}", inspect::format_lmdb_report(&envs));
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -40,21 +40,21 @@ fn hdf5(files: &[PathBuf], json: bool) -> anyhow::Result<ExitCode> {
     }
     if json {
         match all.as_slice() {
-            [(_, reports)] => println!("{}", serde_json::to_string_pretty(reports)?),
+            [(_, reports)] => outln!("{}", serde_json::to_string_pretty(reports)?),
             _ => {
                 let by_file: Vec<_> = all
                     .iter()
                     .map(|(f, r)| serde_json::json!({ "file": f.display().to_string(), "datasets": r }))
                     .collect();
-                println!("{}", serde_json::to_string_pretty(&by_file)?);
+                outln!("{}", serde_json::to_string_pretty(&by_file)?);
             }
         }
     } else {
         for (i, (f, reports)) in all.iter().enumerate() {
             if i > 0 {
-                println!();
+                outln!();
             }
-            print!("{}", inspect::format_report(f, reports));
+            out!("{}", inspect::format_report(f, reports));
         }
     }
     Ok(ExitCode::SUCCESS)

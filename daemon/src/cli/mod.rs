@@ -10,6 +10,18 @@ use clap::{Parser, Subcommand};
 use connect::Target;
 use serve::LogFormat;
 
+/// `print!` to stdout that ends the program quietly when the reader has gone
+/// (`stoker datasets | head -1`) instead of panicking.
+macro_rules! out {
+    ($($arg:tt)*) => { $crate::cli::output::stdout(format_args!($($arg)*), false) };
+}
+
+/// `println!` likewise.
+macro_rules! outln {
+    () => { $crate::cli::output::stdout(format_args!(""), true) };
+    ($($arg:tt)*) => { $crate::cli::output::stdout(format_args!($($arg)*), true) };
+}
+
 mod cache;
 mod connect;
 mod datasets;

@@ -1,5 +1,23 @@
 //! Text formatting the human-readable reports share: aligned tables, byte
-//! and duration units, and names shortened to fit a column.
+//! and duration units, and names shortened to fit a column; and writing to
+//! stdout ([`stdout`], behind the `out!`/`outln!` macros).
+
+/// Writes `args` (and a newline) to stdout. A reader that has gone (a closed
+/// pipe: `stoker status | head -1`) ends the program at once with status 0,
+/// as a Unix tool dying of SIGPIPE would, minus the noise; any other write
+/// error ends it with status 1 and a line on stderr.
+pub(crate) fn stdout(args: std::fmt::Arguments<'_>, newline: bool) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let written = out.write_fmt(args).and_then(|()| if newline { out.write_all(b"\n") } else { Ok(()) });
+    if let Err(e) = written.and_then(|()| out.flush()) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("stoker: cannot write to stdout: {e}");
+        std::process::exit(1);
+    }
+}
 
 /// Writes an indented table: each column as wide as its widest cell; a header
 /// starting with `<` marks a left-aligned column (numbers align right). Nothing

@@ -76,9 +76,9 @@ fn show(target: &Target, json: bool, watch: Option<f64>) -> anyhow::Result<ExitC
     let Some(every) = watch else {
         let report = target.connect()?.status()?;
         if json {
-            println!("{}", serde_json::to_string_pretty(&report)?);
+            outln!("{}", serde_json::to_string_pretty(&report)?);
         } else {
-            print!("{}", format_status(&report, &users.names(&report)));
+            out!("{}", format_status(&report, &users.names(&report)));
         }
         return Ok(ExitCode::SUCCESS);
     };

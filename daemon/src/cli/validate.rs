@@ -42,11 +42,11 @@ pub(super) fn run(file: &Path, open_files: bool) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::FAILURE);
     }
     let Some(settings) = settings else { return Ok(ExitCode::FAILURE) };
-    println!("{} is valid", file.display());
-    println!("  socket          {}", settings.socket.display());
-    println!("  worker threads  {}", settings.worker_threads);
-    println!("  ring depth      {}", settings.ring_depth);
-    println!("  allowed roots   {:?}", settings.allowed_roots);
-    println!("  datasets        {:?}", settings.datasets.keys().collect::<Vec<_>>());
+    outln!("{} is valid", file.display());
+    outln!("  socket          {}", settings.socket.display());
+    outln!("  worker threads  {}", settings.worker_threads);
+    outln!("  ring depth      {}", settings.ring_depth);
+    outln!("  allowed roots   {:?}", settings.allowed_roots);
+    outln!("  datasets        {:?}", settings.datasets.keys().collect::<Vec<_>>());
     Ok(ExitCode::SUCCESS)
 }
