@@ -393,3 +393,69 @@ def test_the_cli_ends_quietly_when_its_reader_has_gone(start_daemon: Callable[..
             err = proc.stderr.read().decode()
             assert proc.wait(timeout=SUBPROCESS_TIMEOUT_S) == 0, (args, err)
             assert "panicked" not in err and "Broken pipe" not in err, (args, err)
+
+
+def _readme_block() -> str:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Your own data in four lines", 1)[1]
+    return section.split("```sh\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readme_lines_work_pasted_as_one_block(tmp_path: Path) -> None:
+    """Issue 24, item 3: the README's lines, pasted as a block, ran the Python
+    line before the daemon listened (`DaemonUnavailable` 5 times of 5). They
+    now end in `stoker run`, which waits for its daemon; run here as one
+    script, with the README's path replaced by a real file."""
+    import sys
+
+    data = tmp_path / "data"
+    data.mkdir()
+    with h5py.File(data / "train-000.h5", "w") as f:
+        f.create_dataset("image", data=np.zeros((100, 4, 4), dtype=np.float32))
+        f.create_dataset("label", data=np.arange(100, dtype=np.int64))
+    block = _readme_block().replace("/data/", f"{data}/")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "stoker").symlink_to(stoker_bin())
+    (bindir / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (bindir / "python").chmod(0o755)
+    env = {**__import__("os").environ, "PATH": f"{bindir}:{__import__('os').environ['PATH']}", "TMPDIR": "/tmp"}
+    env.pop("STOKER_SOCKET", None)
+    for _ in range(3):
+        res = subprocess.run(["bash", "-e", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=SUBPROCESS_TIMEOUT_S)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "dict_keys(['image', 'label'])" in res.stdout, res.stdout + res.stderr
+
+
+def test_stoker_run_passes_status_and_signals_and_stops_its_daemon(tmp_path: Path) -> None:
+    """`stoker run -- CMD`: the command's exit status comes back, a signal
+    sent to `stoker run` reaches the command (which dies of it: 128 + 15),
+    and the daemon is gone afterwards (its socket removed)."""
+    import os
+    import signal
+    import time
+
+    sock = Path("/tmp") / f"stk-run-{os.getpid()}.sock"
+    res = subprocess.run([str(stoker_bin()), "run", "--socket", str(sock), "--", "sh", "-c",
+                          'test "$STOKER_SOCKET" = "$0" && test -S "$0" && exit 7', str(sock)],
+                         capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    assert res.returncode == 7, res.stderr
+    assert not sock.exists(), "the daemon's socket is left behind"
+    proc = subprocess.Popen([str(stoker_bin()), "run", "--socket", str(sock), "--", "sleep", "60"],
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not sock.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # the command has started once the daemon answers
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=SUBPROCESS_TIMEOUT_S) == 128 + signal.SIGTERM
+    assert not sock.exists()
+    # A daemon that cannot start is reported at once, not after --wait.
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[ring]\ndepht = 4\n")
+    started = time.monotonic()
+    res = subprocess.run([str(stoker_bin()), "run", "--config", str(bad), "--socket", str(sock), "--", "true"],
+                         capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    assert res.returncode != 0 and "exited" in res.stderr and "depht" in res.stderr, res.stderr
+    assert time.monotonic() - started < 30

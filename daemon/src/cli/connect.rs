@@ -20,6 +20,11 @@ pub(super) struct Target {
 }
 
 impl Target {
+    /// The daemon at `socket`.
+    pub(super) fn at(socket: PathBuf) -> Target {
+        Target { socket: Some(socket), config: None }
+    }
+
     /// The daemon's socket: `--socket`, else the one `--config` names, else the default.
     pub(super) fn socket_path(&self) -> anyhow::Result<PathBuf> {
         Ok(match (&self.socket, &self.config) {

@@ -27,6 +27,7 @@ mod connect;
 mod datasets;
 mod inspect;
 mod output;
+mod run;
 mod serve;
 mod status;
 mod users;
@@ -61,6 +62,24 @@ enum Command {
         /// `json` (one object per line).
         #[arg(long, value_enum, default_value_t = LogFormat::Text)]
         log_format: LogFormat,
+    },
+    /// Run a command beside a daemon of its own: start `stoker serve`, wait
+    /// until it answers, run the command with $STOKER_SOCKET set, forward
+    /// signals to it, stop the daemon and exit with the command's status
+    /// (`srun stoker run -- python train.py`).
+    Run {
+        /// Config file (TOML) for the daemon; without it the documented defaults apply.
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+        /// Socket for the daemon (default: $TMPDIR/stoker-run-PID.sock, else /tmp/…).
+        #[arg(long, short)]
+        socket: Option<PathBuf>,
+        /// Seconds to wait for the daemon to answer before giving up.
+        #[arg(long, default_value_t = 60.0)]
+        wait: f64,
+        /// The command and its arguments (after `--`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true, value_name = "CMD")]
+        command: Vec<String>,
     },
     /// Check a config file and print what the daemon would run with.
     Validate {
@@ -176,6 +195,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Serve { config, socket, log_level, log_format } => {
             serve::run(config.as_deref(), socket, log_level, log_format)
         }
+        Command::Run { config, socket, wait, command } => run::run(config.as_deref(), socket, wait, &command),
         Command::Validate { file, skip_files } => validate::run(&file, !skip_files),
         Command::Inspect { file, probe, json } => inspect::run(&file, probe, json),
         Command::Status { target, json, watch, wait } => status::run(&target, json, watch, wait),

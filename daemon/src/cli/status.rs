@@ -26,7 +26,7 @@ pub(super) fn run(target: &Target, json: bool, watch: Option<f64>, wait: Option<
 /// yet, the socket not yet given its mode, a daemon draining before a
 /// restart); an answer that no retry changes (this uid is not served, a
 /// protocol mismatch, a bad config file) fails at once.
-fn status_waiting(target: &Target, seconds: f64) -> anyhow::Result<StatusReport> {
+pub(super) fn status_waiting(target: &Target, seconds: f64) -> anyhow::Result<StatusReport> {
     use std::time::{Duration, Instant};
     use stoker_client::ClientError;
     use stoker_proto::ErrorKind;
