@@ -218,8 +218,10 @@ impl Default for Hdf5Config {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CacheConfig {
-    /// Bytes of decoded HDF5 chunks kept, shared by all streams (0 disables the cache).
-    pub chunk_bytes: u64,
+    /// Bytes of decoded HDF5 chunks kept, shared by all streams (0 disables
+    /// the cache). Unset: 512 MiB, or a quarter of the memory budget if that
+    /// is less (a job's cgroup).
+    pub chunk_bytes: Option<u64>,
     /// Bytes of decoded samples kept (images and compressed values of LMDB
     /// fields, before random transforms), shared by all streams and jobs (0
     /// disables it). Unset: 1 GiB, or a quarter of what the memory budget
@@ -228,11 +230,19 @@ pub struct CacheConfig {
     /// Which entry both caches evict: `"belady"` (furthest next use over
     /// every registered stream) or `"lru"`.
     pub policy: stoker_data::cache::Policy,
+    /// Seconds without any stream after which both caches are emptied (their
+    /// memory given back); 0 keeps them for the next job.
+    pub idle_release_s: f64,
 }
 
 impl Default for CacheConfig {
     fn default() -> Self {
-        CacheConfig { chunk_bytes: 512 << 20, sample_bytes: None, policy: stoker_data::cache::Policy::Belady }
+        CacheConfig {
+            chunk_bytes: None,
+            sample_bytes: None,
+            policy: stoker_data::cache::Policy::Belady,
+            idle_release_s: 0.0,
+        }
     }
 }
 
@@ -273,6 +283,12 @@ pub struct Settings {
     pub ring_depth: u32,
     /// Limits (`max_memory_bytes` resolved: never 0).
     pub limits: LimitsConfig,
+    /// Where `limits.max_memory_bytes` comes from, in words (for the log).
+    pub memory_source: String,
+    /// The memory the daemon may use (its cgroup's limit or the machine's), watched while it runs.
+    pub memory_limit: Option<crate::memory::Limit>,
+    /// `[cache] idle_release_s`, when set.
+    pub cache_idle_release: Option<std::time::Duration>,
     /// Bytes of the decoded-chunk cache.
     pub chunk_cache_bytes: u64,
     /// Bytes of the decoded-sample cache.
@@ -441,21 +457,36 @@ impl Config {
             problem(&["limits", key], "[limits] max_sample_bytes and max_batch_bytes must be at least 1".into());
         }
         let mut limits = self.limits;
-        if limits.max_memory_bytes == 0 {
-            limits.max_memory_bytes = physical_memory().map_or(u64::MAX, |bytes| bytes / 2);
-        }
+        let memory_limit = crate::memory::limit();
+        let memory_source = if limits.max_memory_bytes == 0 {
+            limits.max_memory_bytes = memory_limit.as_ref().map_or(u64::MAX, |l| l.bytes / 2);
+            memory_limit
+                .as_ref()
+                .map_or_else(|| "unbounded: no memory figure found".into(), |l| format!("half of {}", l.source))
+        } else {
+            "[limits] max_memory_bytes".into()
+        };
+        let chunk_bytes = self.cache.chunk_bytes.unwrap_or_else(|| (512u64 << 20).min(limits.max_memory_bytes / 4));
         let sample_bytes = self
             .cache
             .sample_bytes
-            .unwrap_or_else(|| (1u64 << 30).min(limits.max_memory_bytes.saturating_sub(self.cache.chunk_bytes) / 4));
-        if self.cache.chunk_bytes.saturating_add(sample_bytes) >= limits.max_memory_bytes {
-            let key = if sample_bytes > self.cache.chunk_bytes { "sample_bytes" } else { "chunk_bytes" };
+            .unwrap_or_else(|| (1u64 << 30).min(limits.max_memory_bytes.saturating_sub(chunk_bytes) / 4));
+        if !(self.cache.idle_release_s >= 0.0 && self.cache.idle_release_s <= 1e9) {
+            problem(
+                &["cache", "idle_release_s"],
+                format!("[cache] idle_release_s = {} must be seconds >= 0", self.cache.idle_release_s),
+            );
+        }
+        let cache_idle_release = (self.cache.idle_release_s > 0.0)
+            .then(|| std::time::Duration::from_secs_f64(self.cache.idle_release_s.min(1e9)));
+        if chunk_bytes.saturating_add(sample_bytes) >= limits.max_memory_bytes {
+            let key = if sample_bytes > chunk_bytes { "sample_bytes" } else { "chunk_bytes" };
             problem(
                 &["cache", key],
                 format!(
                     "[cache] chunk_bytes = {} plus sample_bytes = {} leave nothing of the daemon's memory budget \
                      ([limits] max_memory_bytes = {}) for the rings; lower them or raise the budget",
-                    self.cache.chunk_bytes, sample_bytes, limits.max_memory_bytes
+                    chunk_bytes, sample_bytes, limits.max_memory_bytes
                 ),
             );
         }
@@ -526,7 +557,10 @@ impl Config {
             worker_threads,
             ring_depth: self.ring.depth,
             limits,
-            chunk_cache_bytes: self.cache.chunk_bytes,
+            chunk_cache_bytes: chunk_bytes,
+            memory_source,
+            memory_limit,
+            cache_idle_release,
             sample_cache_bytes: sample_bytes,
             cache_policy: self.cache.policy,
             hdf5_fast_path: self.hdf5.fast_path,
@@ -597,14 +631,6 @@ fn resolve_group(group: &str) -> Option<u32> {
         (parts.next()? == group).then_some(())?;
         parts.nth(1)?.parse().ok()
     })
-}
-
-/// Bytes of physical memory, from `/proc/meminfo` (`None` where it cannot be read).
-fn physical_memory() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ pub mod config;
 pub mod dataset;
 pub mod error;
 pub mod helper;
+pub mod memory;
 pub mod metrics;
 #[allow(unsafe_code)] // maps the rings' memfds and hands out slot slices
 pub mod ring;

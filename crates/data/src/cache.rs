@@ -504,6 +504,26 @@ impl Caches {
     pub fn capacity(&self) -> u64 {
         (self.chunks.capacity() as u64).saturating_add(self.samples.capacity() as u64)
     }
+
+    /// Bytes both hold now.
+    pub fn bytes(&self) -> u64 {
+        self.chunks.stats().bytes.saturating_add(self.samples.stats().bytes)
+    }
+
+    /// Evicts (by each cache's policy) until both together hold at most
+    /// `target` bytes, each in proportion to what it holds; returns the
+    /// entries and bytes evicted. Under memory pressure, and to give memory
+    /// back when idle.
+    pub fn shed(&self, target: u64) -> (u64, u64) {
+        let held = self.bytes();
+        if held <= target {
+            return (0, 0);
+        }
+        let keep = |cache_bytes: u64| (cache_bytes as u128 * target as u128 / held as u128) as u64;
+        let a = self.chunks.shed_to(keep(self.chunks.stats().bytes));
+        let b = self.samples.shed_to(keep(self.samples.stats().bytes));
+        (a.0 + b.0, a.1 + b.1)
+    }
 }
 
 /// What a source needs to use the caches: them, and its dataset's fingerprint.
@@ -752,6 +772,21 @@ impl<V> Cache<V> {
         c.evictions += 1;
     }
 
+    /// Evicts entries (the policy's victims) until at most `target` bytes
+    /// are held; returns the entries and bytes evicted.
+    pub fn shed_to(&self, target: u64) -> (u64, u64) {
+        let mut inner = self.lock();
+        let (mut entries, mut bytes) = (0u64, 0u64);
+        while inner.bytes as u64 > target {
+            let Some(victim) = self.victim(&mut inner) else { break };
+            entries += 1;
+            bytes += inner.entries[victim].bytes as u64;
+            self.remove_at(&mut inner, victim);
+            self.evictions.fetch_add(1, Ordering::Relaxed);
+        }
+        (entries, bytes)
+    }
+
     /// Drops every entry of `dataset` (all entries with `None`); returns (entries, bytes) dropped.
     pub fn drop_dataset(&self, dataset: Option<u64>) -> (u64, u64) {
         let mut inner = self.lock();
@@ -843,6 +878,26 @@ mod tests {
         assert_eq!((per[0].1.bytes, per[0].1.entries, per[0].1.evictions), (8, 2, 1));
         assert_eq!(cache.drop_dataset(Some(7)), (2, 8));
         assert_eq!(cache.stats().bytes, 0);
+    }
+
+    #[test]
+    fn shedding_evicts_down_to_the_target_in_proportion() {
+        let caches = Caches::new(1000, 1000, Policy::Lru);
+        for i in 0..10 {
+            caches.chunks.insert(key(i), Arc::new(vec![0u8; 60]), 60, Uses::one(7, i));
+            caches.samples.insert(key(i), Arc::new(Decoded::copy_of(&sample_info(), &[0u8; 40])), 40, Uses::one(7, i));
+        }
+        assert_eq!(caches.bytes(), 1000);
+        assert_eq!(caches.shed(2000), (0, 0));
+        let (entries, bytes) = caches.shed(500);
+        assert_eq!((entries, bytes), (10, 500));
+        assert_eq!((caches.chunks.stats().bytes, caches.samples.stats().bytes), (300, 200));
+        assert_eq!(caches.shed(0).1, 500);
+        assert_eq!(caches.bytes(), 0);
+    }
+
+    fn sample_info() -> stoker_decode::codec::ArrayInfo {
+        stoker_decode::codec::ArrayInfo { dtype: stoker_proto::DType::U8, shape: vec![40] }
     }
 
     #[test]

@@ -47,6 +47,12 @@ pub(super) fn run(file: &Path, open_files: bool) -> anyhow::Result<ExitCode> {
     outln!("  worker threads  {}", settings.worker_threads);
     outln!("  ring depth      {}", settings.ring_depth);
     outln!("  allowed roots   {:?}", settings.allowed_roots);
+    outln!("  memory budget   {} bytes ({})", settings.limits.max_memory_bytes, settings.memory_source);
+    outln!(
+        "  caches          chunks {} bytes, samples {} bytes",
+        settings.chunk_cache_bytes,
+        settings.sample_cache_bytes
+    );
     outln!("  datasets        {:?}", settings.datasets.keys().collect::<Vec<_>>());
     Ok(ExitCode::SUCCESS)
 }

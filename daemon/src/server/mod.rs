@@ -110,8 +110,10 @@ impl Daemon {
             .build()?;
         let caches = Caches::new(settings.chunk_cache_bytes, settings.sample_cache_bytes, settings.cache_policy);
         // Decode buffers of all workers together: one chunk of the largest
-        // size allowed, with its stored bytes, plus room for small ones.
-        caches.bound_decoding(settings.limits.max_sample_bytes.saturating_mul(2).saturating_add(64 << 20));
+        // size allowed, with its stored bytes, plus room for small ones; at
+        // most a quarter of the memory budget (a job's cgroup), 16 MiB at least.
+        let decoding = settings.limits.max_sample_bytes.saturating_mul(2).saturating_add(64 << 20);
+        caches.bound_decoding(decoding.min((settings.limits.max_memory_bytes / 4).max(16 << 20)));
         let datasets = Datasets::new(settings.clone(), caches.clone());
         let load = Arc::new(Mutex::new(VecDeque::new()));
         let weak = Arc::downgrade(&load);
@@ -120,7 +122,15 @@ impl Daemon {
         }
         let memory = Budget::new(settings.limits.max_memory_bytes.saturating_sub(caches.capacity()));
         let fair = crate::stream::FairGate::new(pool.current_num_threads());
-        Ok(Arc::new(Daemon {
+        tracing::info!(
+            budget = settings.limits.max_memory_bytes,
+            source = %settings.memory_source,
+            chunk_cache = settings.chunk_cache_bytes,
+            sample_cache = settings.sample_cache_bytes,
+            "memory budget"
+        );
+        let (limit, idle_release) = (settings.memory_limit.clone(), settings.cache_idle_release);
+        let daemon = Arc::new(Daemon {
             uid_memory: Mutex::new(HashMap::new()),
             fair,
             settings: RwLock::new(Arc::new(settings)),
@@ -139,7 +149,20 @@ impl Daemon {
             metrics: crate::metrics::Metrics::default(),
             memory,
             load,
-        }))
+        });
+        let weak = Arc::downgrade(&daemon);
+        let watcher = std::thread::Builder::new()
+            .name("stoker-memory".into())
+            .spawn(move || crate::memory::watch(weak, limit, idle_release));
+        if let Err(e) = watcher {
+            tracing::warn!(error = %e, "cannot start the memory watcher: caches are not shed under memory pressure");
+        }
+        Ok(daemon)
+    }
+
+    /// Streams open now.
+    pub fn stream_count(&self) -> usize {
+        lock(&self.streams).len()
     }
 
     /// The node-wide caches.
