@@ -1051,3 +1051,44 @@ for _ in range(32):
 print(json.dumps({"opened": len(held), "refusal": refusal}), flush=True)
 sys.stdin.read()
 """
+
+
+def test_a_per_user_daemon_serves_its_users_files_without_allowed_roots(other_user: tuple[int, int, int]) -> None:
+    """Issue 24, item 9: a per-user daemon (not root, serving only its own
+    user) refused the user's own ad-hoc files unless its config listed
+    `allowed_roots`. Unset, such a daemon now allows `/`: it reads with that
+    user's rights, for that user alone. Too long a socket path is named with
+    its length and the limit."""
+    uid, gid, extra_gid = other_user
+    base = Path(tempfile.mkdtemp(prefix="stk-pu-", dir="/tmp"))
+    try:
+        os.chown(base, uid, gid)
+        write_rows(base / "mine.h5", np.arange(8, dtype="<i4").reshape(4, 2))
+        os.chown(base / "mine.h5", uid, gid)
+        sock = base / "stoker.sock"
+
+        def as_user() -> None:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+
+        daemon = subprocess.Popen([str(stoker_bin()), "serve", "--socket", str(sock)], preexec_fn=as_user,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            ready = subprocess.run([str(stoker_bin()), "status", "--wait", "30", "--socket", str(sock)],
+                                   capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, preexec_fn=as_user)
+            assert ready.returncode == 0, ready.stderr
+            got = run_as(uid, gid, [], str(sock), str(base / "mine.h5"))
+            assert got.get("ok") == np.arange(8).reshape(4, 2).tolist(), got
+        finally:
+            daemon.terminate()
+            daemon.wait(timeout=SUBPROCESS_TIMEOUT_S)
+        long = "/tmp/" + "s" * 120 + ".sock"
+        res = subprocess.run([str(stoker_bin()), "serve", "--socket", long], capture_output=True, text=True,
+                             timeout=SUBPROCESS_TIMEOUT_S)
+        assert res.returncode != 0 and "at most 107" in res.stderr and "130 bytes" in res.stderr, res.stderr
+        res = subprocess.run([str(stoker_bin()), "status", "--socket", long], capture_output=True, text=True,
+                             timeout=SUBPROCESS_TIMEOUT_S)
+        assert "at most 107" in res.stderr and "130 bytes" in res.stderr, res.stderr
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

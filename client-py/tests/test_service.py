@@ -724,6 +724,24 @@ def test_sighup_reloads_named_datasets_and_keeps_a_bad_config_out(start_daemon, 
     assert np.array_equal(np.concatenate([first, *rest]), np.arange(data.n))
 
 
+def test_sighup_that_allows_a_user_opens_the_socket_to_them(keyed_daemon) -> None:
+    """Issue 24, item 9: a SIGHUP adding `allowed_uids` logged "allowed users
+    changed" and left the socket 0600, so the user was still refused. The new
+    mode is now set on the socket (through a descriptor, never a path a user
+    could swap) and the user gets in."""
+    need_root()
+    d = keyed_daemon()
+    open_to_all(d)
+    assert stat.S_IMODE(os.stat(d.socket).st_mode) == 0o600
+    assert cli_as_nobody("status", "--socket", d.socket).returncode != 0
+    d.config.write_text(d.config.read_text().replace("[server]\n", f"[server]\nallowed_uids = [{NOBODY}]\n", 1))
+    os.kill(d.proc.pid, signal.SIGHUP)
+    poll(lambda: "socket mode set to 666" in d.stderr(), timeout=10)
+    assert stat.S_IMODE(os.stat(d.socket).st_mode) == 0o666
+    res = cli_as_nobody("status", "--socket", d.socket)
+    assert res.returncode == 0, res.stderr
+
+
 def test_systemd_notify_ready_watchdog_reload_stopping(keyed_daemon, tmp_path: Path) -> None:
     d = keyed_daemon()
     d.stop()

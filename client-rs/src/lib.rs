@@ -114,6 +114,10 @@ impl Client {
     /// (a socket whose daemon accepts but never answers would otherwise block forever).
     pub fn connect_interruptible(path: impl AsRef<Path>, interrupted: &mut dyn FnMut() -> bool) -> Result<Client> {
         let path = path.as_ref();
+        if let Some(why) = stoker_proto::socket_path_problem(path) {
+            let source = std::io::Error::new(std::io::ErrorKind::InvalidInput, why);
+            return Err(ClientError::Unavailable { path: path.to_owned(), source });
+        }
         let sock = UnixStream::connect(path).map_err(|source| {
             if source.kind() == std::io::ErrorKind::PermissionDenied {
                 ClientError::SocketDenied { path: path.to_owned(), detail: socket_owner(path) }

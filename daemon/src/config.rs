@@ -76,7 +76,10 @@ pub struct ServerConfig {
     pub allowed_uids: Vec<u32>,
     /// Directories under which clients may open ad-hoc datasets
     /// (`stoker.hdf5(...)`); empty means only named datasets are served.
-    pub allowed_roots: Vec<PathBuf>,
+    /// Unset: `["/"]` for a daemon that is not root and serves only its own
+    /// user (no `allowed_uids`/`allowed_gids`: it reads with that user's
+    /// rights, for that user alone), else empty.
+    pub allowed_roots: Option<Vec<PathBuf>>,
     /// Gids (primary or supplementary) whose members are served.
     pub allowed_gids: Vec<u32>,
     /// Socket file mode as an octal string (`"0660"`). Unset: `0660` with a
@@ -95,7 +98,7 @@ impl Default for ServerConfig {
         ServerConfig {
             socket: PathBuf::from(stoker_proto::DEFAULT_SOCKET),
             allowed_uids: Vec::new(),
-            allowed_roots: Vec::new(),
+            allowed_roots: None,
             allowed_gids: Vec::new(),
             socket_mode: None,
             socket_group: None,
@@ -491,7 +494,15 @@ impl Config {
             );
         }
         let mut allowed_roots = Vec::new();
-        for root in &self.server.allowed_roots {
+        let own_user_only = !rustix::process::geteuid().is_root()
+            && self.server.allowed_uids.is_empty()
+            && self.server.allowed_gids.is_empty();
+        let roots = match &self.server.allowed_roots {
+            Some(roots) => roots.clone(),
+            None if own_user_only => vec![PathBuf::from("/")],
+            None => Vec::new(),
+        };
+        for root in &roots {
             // A root that does not exist yet cannot hold files either; keep it as written.
             allowed_roots.push(root.canonicalize().unwrap_or_else(|_| root.clone()));
         }

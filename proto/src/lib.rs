@@ -32,6 +32,21 @@ pub use steps::{step_from_json, step_names};
 /// Version of the wire protocol; bumped on any incompatible change.
 pub const PROTOCOL_VERSION: u32 = 8;
 
+/// Longest path a Unix socket may be bound or reached at (`sun_path` holds
+/// 108 bytes with its terminating NUL).
+pub const MAX_SOCKET_PATH: usize = 107;
+
+/// Why `path` cannot name a Unix socket (too long), in words; `None` if it can.
+pub fn socket_path_problem(path: &std::path::Path) -> Option<String> {
+    let n = path.as_os_str().len();
+    (n > MAX_SOCKET_PATH).then(|| {
+        format!(
+            "the path is {n} bytes long and a Unix socket path may have at most {MAX_SOCKET_PATH}; use a shorter \
+             one (under /tmp or /run, say)"
+        )
+    })
+}
+
 /// Socket path used when neither `--socket`, `$STOKER_SOCKET` nor a config says otherwise.
 pub const DEFAULT_SOCKET: &str = "/run/stoker/stoker.sock";
 

@@ -199,6 +199,16 @@ impl Daemon {
         if old.allowed_uids != new.allowed_uids || old.allowed_gids != new.allowed_gids {
             changes.push("allowed users changed".into());
         }
+        if (old.socket_mode, old.socket_gid) != (new.socket_mode, new.socket_gid) && old.socket == new.socket {
+            // Allowed users may need another mode (0600 → 0666): set it on the
+            // socket this daemon listens on, never through a path another user could swap.
+            changes.push(match set_socket_access(&new.socket, new.socket_mode, new.socket_gid) {
+                Ok(()) => format!("socket mode set to {:o}", new.socket_mode),
+                Err(e) => format!(
+                    "the socket's mode or group changed but could not be applied ({e}); restart the daemon for it"
+                ),
+            });
+        }
         if old.allowed_roots != new.allowed_roots {
             changes.push("allowed_roots changed".into());
         }
@@ -255,6 +265,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// configured mode and group.
 pub fn bind(path: &Path, settings: &Settings) -> anyhow::Result<UnixListener> {
     use anyhow::Context;
+    if let Some(why) = stoker_proto::socket_path_problem(path) {
+        anyhow::bail!("cannot listen on {}: {why}", path.display());
+    }
     if path.exists() {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
             anyhow::bail!(
@@ -271,6 +284,25 @@ pub fn bind(path: &Path, settings: &Settings) -> anyhow::Result<UnixListener> {
         .with_context(|| format!("cannot listen on {} with mode {:o}", path.display(), settings.socket_mode))?;
     listener.set_nonblocking(true)?;
     Ok(UnixListener::from_std(listener)?)
+}
+
+/// Gives the socket at `path` `mode` (and `gid`): through an `O_PATH |
+/// O_NOFOLLOW` descriptor checked to be a socket this user owns, so a path
+/// swapped for a symlink or another file is refused, not followed.
+fn set_socket_access(path: &Path, mode: u32, gid: Option<u32>) -> std::io::Result<()> {
+    use rustix::fs::{FileType, Mode, OFlags};
+    let fd = rustix::fs::open(path, OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())?;
+    let st = rustix::fs::fstat(&fd)?;
+    if FileType::from_raw_mode(st.st_mode) != FileType::Socket || st.st_uid != rustix::process::geteuid().as_raw() {
+        return Err(std::io::Error::other("it is not this daemon's socket any more"));
+    }
+    // The descriptor's magic link reaches the inode held, whatever the path names now.
+    let at = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&fd));
+    if let Some(gid) = gid {
+        rustix::fs::chown(at.as_str(), None, Some(rustix::fs::Gid::from_raw(gid)))?;
+    }
+    rustix::fs::chmod(at.as_str(), Mode::from_raw_mode(mode))?;
+    Ok(())
 }
 
 /// Binds the socket in a fresh directory only the daemon can enter, sets its
