@@ -104,7 +104,10 @@ def test_plain_h5_suggestion_validates_and_serves(stoker: Any, start_daemon: Cal
     table = res.stdout.partition("\nsuggested config")[2].split("\n", 1)[1]
     name, ds = next(iter(tomllib.loads(table)["datasets"].items()))
     assert name == "part_1"
-    assert ds["files"] == f"{root.resolve()}/*.h5"
+    # The shards of the inspected file's name (issue 24, item 6: not every
+    # .h5 beside it), and a comment naming the files it leaves out.
+    assert ds["files"] == f"{root.resolve()}/part_*.h5"
+    assert "# matches 3 files in" in table
     assert ds["fields"] == {"images": "images", "label": "meta/label"}
     assert "window" not in ds
 
@@ -459,3 +462,19 @@ def test_stoker_run_passes_status_and_signals_and_stops_its_daemon(tmp_path: Pat
                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert res.returncode != 0 and "exited" in res.stderr and "depht" in res.stderr, res.stderr
     assert time.monotonic() - started < 30
+
+
+def test_inspect_suggests_the_shards_of_the_inspected_name_only(tmp_path: Path) -> None:
+    """Issue 24, item 6: `stoker inspect train-000.h5` suggested `<dir>/*.h5`,
+    so `val-000.h5` beside it joined training silently. The suggestion is
+    now `train-*.h5`, and a comment names the files it leaves out."""
+    for name in ("train-000.h5", "train-001.h5", "val-000.h5"):
+        with h5py.File(tmp_path / name, "w") as f:
+            f.create_dataset("x", data=np.zeros((4, 2), dtype=np.float32))
+    res = subprocess.run([str(stoker_bin()), "inspect", str(tmp_path / "train-000.h5")], capture_output=True,
+                         text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    assert res.returncode == 0, res.stderr
+    table = res.stdout.partition("\nsuggested config")[2].split("\n", 1)[1]
+    ds = next(iter(tomllib.loads(table)["datasets"].values()))
+    assert ds["files"] == f"{tmp_path}/train-*.h5"
+    assert "matches 2 files" in table and "leaves out val-000.h5" in table, table

@@ -487,6 +487,56 @@ fn time_axis(all: &[DatasetReport], group: &[&DatasetReport], well: bool) -> Opt
     named.or(if well { commonest } else { None })
 }
 
+/// The glob a suggested config names for `file`: its siblings sharing its
+/// name up to a trailing number (`train-000.h5` → `train-*.h5`, so that
+/// `val-000.h5` beside it does not join training), every file with its
+/// extension in a directory named for a split (`train/`, `valid/`, `test/`:
+/// The Well's layout), else the file alone; and a comment line saying how many files of the
+/// directory it matches and which files with the same extension it leaves out.
+fn sibling_glob(file: &Path) -> (String, String) {
+    let dir_text = file.parent().map_or("/".into(), |d| d.display().to_string());
+    let dir = glob::Pattern::escape(&dir_text);
+    let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let ext = file.extension().map(|e| e.to_string_lossy().into_owned());
+    let stem = file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let prefix = stem.trim_end_matches(|c: char| c.is_ascii_digit());
+    // A directory named for a split (The Well's train/valid/test) holds that split only.
+    let split_dir = file.parent().and_then(Path::file_name).is_some_and(|d| {
+        ["train", "training", "valid", "val", "validation", "test", "testing"].contains(&&*d.to_string_lossy())
+    });
+    let pattern = match &ext {
+        Some(ext) if split_dir => format!("*.{}", glob::Pattern::escape(ext)),
+        Some(ext) if prefix.len() < stem.len() && !prefix.is_empty() => {
+            format!("{}*.{}", glob::Pattern::escape(prefix), glob::Pattern::escape(ext))
+        }
+        _ => glob::Pattern::escape(&name),
+    };
+    let files = format!("{}/{pattern}", dir.trim_end_matches('/'));
+    let matcher = glob::Pattern::new(&pattern).ok();
+    let mut matched = 0usize;
+    let mut left: Vec<String> = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(file.parent().unwrap_or(Path::new("/"))) {
+        for entry in entries.flatten().take(100_000) {
+            let n = entry.file_name().to_string_lossy().into_owned();
+            let same_ext = Path::new(&n).extension().map(|e| e.to_string_lossy().into_owned()) == ext;
+            if matcher.as_ref().is_some_and(|m| m.matches(&n)) {
+                matched += 1;
+            } else if same_ext && ext.is_some() {
+                left.push(n);
+            }
+        }
+    }
+    left.sort();
+    let mut note = format!("# matches {matched} file{} in {dir_text}", if matched == 1 { "" } else { "s" });
+    if !left.is_empty() {
+        let shown: Vec<&str> = left.iter().take(8).map(String::as_str).collect();
+        let more =
+            if left.len() > shown.len() { format!(" and {} more", left.len() - shown.len()) } else { String::new() };
+        note.push_str(&format!("; leaves out {}{more} (widen `files` to serve them too)", shown.join(", ")));
+    }
+    (files, note)
+}
+
 /// The human-readable report, with a suggested `[datasets.NAME]` table.
 pub fn format_report(file: &Path, reports: &[DatasetReport]) -> String {
     let mut out = String::new();
@@ -532,12 +582,7 @@ pub fn format_report(file: &Path, reports: &[DatasetReport]) -> String {
     };
     let file = absolute(file);
     let stem = stem(&file);
-    // Every file of the directory with this one's extension.
-    let dir = glob::Pattern::escape(&file.parent().map_or("/".into(), |d| d.display().to_string()));
-    let files = match file.extension() {
-        Some(ext) => format!("{}/*.{}", dir.trim_end_matches('/'), glob::Pattern::escape(&ext.to_string_lossy())),
-        None => glob::Pattern::escape(&file.display().to_string()),
-    };
+    let (files, siblings) = sibling_glob(&file);
     let mut names: Vec<String> = Vec::new();
     let mut fields = Vec::new();
     for r in group {
@@ -561,13 +606,14 @@ pub fn format_report(file: &Path, reports: &[DatasetReport]) -> String {
     };
     let windowed = time.filter(|_| per_item.len() < group.len());
     if well && let Some(t) = windowed {
-        well_suggestion(&mut out, reports, group, len, t, &stem, &files);
+        well_suggestion(&mut out, reports, group, len, t, &stem, &format!("{}\n{siblings}", quote(&files)));
         return out;
     }
     let _ = writeln!(out, "\nsuggested config ({} datasets with {len} items along axis 0):\n", group.len());
     let _ = writeln!(out, "[datasets.{stem}]");
     let _ = writeln!(out, "format = \"hdf5\"");
     let _ = writeln!(out, "files = {}", quote(&files));
+    let _ = writeln!(out, "{siblings}");
     let _ = writeln!(out, "fields = {{ {} }}", fields.join(", "));
     if let Some(t) = windowed {
         let _ =
@@ -655,7 +701,8 @@ fn well_suggestion(
     );
     let _ = writeln!(out, "[datasets.{stem}]");
     let _ = writeln!(out, "format = \"hdf5\"");
-    let _ = writeln!(out, "files = {}", quote(files));
+    // `files` comes quoted, with the comment on the files it leaves out.
+    let _ = writeln!(out, "files = {files}");
     let _ = writeln!(out, "fields = {{ {} }}", fields.join(", "));
     let _ = writeln!(
         out,
@@ -810,6 +857,19 @@ mod tests {
         let parsed: toml::Table = toml::from_str(table).unwrap();
         let ds = &parsed["datasets"]["a"];
         assert!(ds.get("window").is_none(), "{table}");
-        assert_eq!(ds["files"].as_str(), Some("/d/[[]x[]]/*.h5"), "glob characters in the directory are escaped");
+        assert_eq!(ds["files"].as_str(), Some("/d/[[]x[]]/a.h5"), "glob characters in the directory are escaped");
+    }
+
+    #[test]
+    fn the_suggested_glob_matches_shards_of_the_same_name_only() {
+        let dir = tempfile::tempdir().unwrap();
+        for name in ["train-000.h5", "train-001.h5", "val-000.h5", "test-000.h5", "notes.txt"] {
+            std::fs::write(dir.path().join(name), b"").unwrap();
+        }
+        let (files, note) = sibling_glob(&dir.path().join("train-000.h5"));
+        assert_eq!(files, format!("{}/train-*.h5", glob::Pattern::escape(&dir.path().display().to_string())));
+        assert!(note.contains("matches 2 files") && note.contains("leaves out test-000.h5, val-000.h5"), "{note}");
+        let (files, note) = sibling_glob(&dir.path().join("notes.txt"));
+        assert!(files.ends_with("/notes.txt") && note.contains("matches 1 file in"), "{files} {note}");
     }
 }
