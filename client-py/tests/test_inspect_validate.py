@@ -478,3 +478,10 @@ def test_inspect_suggests_the_shards_of_the_inspected_name_only(tmp_path: Path) 
     ds = next(iter(tomllib.loads(table)["datasets"].values()))
     assert ds["files"] == f"{tmp_path}/train-*.h5"
     assert "matches 2 files" in table and "leaves out val-000.h5" in table, table
+    # And `validate` says what the dataset holds: its files and samples.
+    config = tmp_path / "my.toml"
+    config.write_text(table)
+    res = subprocess.run([str(stoker_bin()), "validate", str(config)], capture_output=True, text=True,
+                         timeout=SUBPROCESS_TIMEOUT_S)
+    assert res.returncode == 0, res.stderr
+    assert "train_000: hdf5, 2 files, 8 samples" in res.stdout, res.stdout

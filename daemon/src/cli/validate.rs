@@ -16,7 +16,8 @@ use crate::config::Config;
 pub(super) fn run(file: &Path, open_files: bool) -> anyhow::Result<ExitCode> {
     let text = std::fs::read_to_string(file).with_context(|| format!("cannot read config {}", file.display()))?;
     let config = Config::parse(&text, file)?;
-    let files = if open_files { crate::dataset::check::check_files(&config) } else { Vec::new() };
+    let (files, summaries) =
+        if open_files { crate::dataset::check::check_files_summarised(&config) } else { (Vec::new(), Vec::new()) };
     let (settings, mut problems) = match config.check() {
         Ok(settings) => (Some(settings), Vec::new()),
         Err(problems) => (None, problems),
@@ -54,5 +55,8 @@ pub(super) fn run(file: &Path, open_files: bool) -> anyhow::Result<ExitCode> {
         settings.sample_cache_bytes
     );
     outln!("  datasets        {:?}", settings.datasets.keys().collect::<Vec<_>>());
+    for (name, summary) in &summaries {
+        outln!("    {name}: {summary}");
+    }
     Ok(ExitCode::SUCCESS)
 }

@@ -22,14 +22,21 @@ use crate::config::{Config, DatasetConfig, Problem};
 /// that is missing. Used by `stoker validate`; the daemon opens datasets
 /// on demand.
 pub fn check_files(config: &Config) -> Vec<Problem> {
+    check_files_summarised(config).0
+}
+
+/// [`check_files`], with a line per dataset that opened: its files and samples.
+pub fn check_files_summarised(config: &Config) -> (Vec<Problem>, Vec<(String, String)>) {
     let mut problems = Vec::new();
+    let mut summaries = Vec::new();
     for (name, ds) in &config.datasets {
+        let mut summary = None;
         let problem = match ds {
-            DatasetConfig::Hdf5(ds) => check_hdf5(config, ds),
+            DatasetConfig::Hdf5(ds) => check_hdf5(config, ds, &mut summary),
             DatasetConfig::Lmdb(ds) => {
                 let missing = check_lmdb_paths(ds);
                 if missing.is_empty() {
-                    check_lmdb(config, ds)
+                    check_lmdb(config, ds, &mut summary)
                 } else {
                     for (at, message) in missing {
                         let at: Vec<&str> =
@@ -43,13 +50,15 @@ pub fn check_files(config: &Config) -> Vec<Problem> {
         if let Some((at, message)) = problem {
             let at: Vec<&str> = ["datasets", name].into_iter().chain(at.iter().map(String::as_str)).collect();
             problems.push(Problem::new(&at, format!("[datasets.{name}] {message}")));
+        } else if let Some(summary) = summary {
+            summaries.push((name.clone(), summary));
         }
     }
-    problems
+    (problems, summaries)
 }
 
 /// Opens an HDF5 dataset's files and fields; the problem and the key it is about.
-fn check_hdf5(config: &Config, ds: &Hdf5Dataset) -> Option<(Vec<String>, String)> {
+fn check_hdf5(config: &Config, ds: &Hdf5Dataset, summary: &mut Option<String>) -> Option<(Vec<String>, String)> {
     let mut spec = Hdf5Spec::from_dataset(ds, config.hdf5.fast_path);
     spec.max_chunk_bytes = config.limits.max_sample_bytes;
     let mut chains = match stoker_data::source::transformed::field_chains(&ds.field_transforms()) {
@@ -59,8 +68,15 @@ fn check_hdf5(config: &Config, ds: &Hdf5Dataset) -> Option<(Vec<String>, String)
     let opened = hdf5::check_files(&spec, None).and_then(|files| {
         let cache = stoker_data::cache::CacheCtx::disabled();
         let limit = OpenFiles::new(config.limits.max_open_files);
+        let n_files = files.len();
         let source =
             Hdf5Source::open(&spec, files, cache, limit, Arc::new(hdf5::LocalOpener), fsaccess::Rights::Daemon)?;
+        *summary = Some(format!(
+            "hdf5, {n_files} file{}, {} samples ({})",
+            if n_files == 1 { "" } else { "s" },
+            stoker_data::source::Source::len(&source),
+            spec.files
+        ));
         if chains.is_empty() {
             return Ok(());
         }
@@ -81,7 +97,7 @@ fn check_hdf5(config: &Config, ds: &Hdf5Dataset) -> Option<(Vec<String>, String)
 }
 
 /// Opens an LMDB dataset (environments, keys, probed values); the problem and the key it is about.
-fn check_lmdb(config: &Config, ds: &LmdbDataset) -> Option<(Vec<String>, String)> {
+fn check_lmdb(config: &Config, ds: &LmdbDataset, summary: &mut Option<String>) -> Option<(Vec<String>, String)> {
     let mut spec = match super::lmdb_spec(ds, None) {
         Ok(spec) => spec,
         Err(e) => return Some((Vec::new(), e.message)),
@@ -90,7 +106,19 @@ fn check_lmdb(config: &Config, ds: &LmdbDataset) -> Option<(Vec<String>, String)
     if let Err(e) = super::load_stats(spec.fields.iter_mut().flat_map(|f| f.transforms.iter_mut()), None) {
         return Some((Vec::new(), e.to_string()));
     }
-    let e = LmdbSource::open(&spec).err()?;
+    let e = match LmdbSource::open(&spec) {
+        Ok(source) => {
+            let envs: std::collections::BTreeSet<&str> = ds.fields.iter().map(|f| f.env.as_str()).collect();
+            *summary = Some(format!(
+                "lmdb, {} environment{}, {} samples",
+                envs.len(),
+                if envs.len() == 1 { "" } else { "s" },
+                stoker_data::source::Source::len(&source)
+            ));
+            return None;
+        }
+        Err(e) => e,
+    };
     let field_at = |i: usize| vec!["fields".to_string(), i.to_string()];
     let at = match &e {
         SourceError::LmdbKeyFile { .. } => vec!["key_file".to_string()],
