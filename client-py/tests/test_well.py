@@ -344,9 +344,52 @@ def test_split_windows_normalized_and_channels_first_equal_numpy(start_daemon, s
         traj, t = divmod(i, per)
         w = ((vel[traj, t : t + 5] - np.float32(mean)) / np.float32(std)).transpose(0, 3, 1, 2)
         assert x.shape == (3, 2, 6, 5) and y.shape == (2, 2, 6, 5)
-        np.testing.assert_allclose(x, w[:3], rtol=1e-6, atol=1e-6)
-        np.testing.assert_allclose(y, w[3:], rtol=1e-6, atol=1e-6)
+        # Bit for bit: (x - mean) / std in float32, as WellDataset computes it (issue 24, item 7).
+        np.testing.assert_array_equal(x, w[:3])
+        np.testing.assert_array_equal(y, w[3:])
     loader.close()
+
+
+def test_stats_file_normalization_is_welldatasets_bit_for_bit(start_daemon, stoker, tmp_path: Path) -> None:
+    """Issue 24, item 7: normalization from a stats.yaml was computed in
+    float64 (about 30% of elements 1 ulp off WellDataset's float32) and did
+    not apply WellDataset's clip of std to at least 1e-4 (a std of 1e-6 gave
+    values 100 times larger). Reproduced here as ZScoreNormalization does it:
+    torch tensors of the YAML values, std clipped at 1e-4, (x - mean) / std
+    in float32."""
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "w.hdf5"
+    rng = np.random.default_rng(9)
+    vel = (rng.standard_normal((2, 6, 5, 4, 2)) * 3.7 + 0.3).astype(np.float32)
+    dens = (rng.standard_normal((2, 6, 5, 4)) * 1e-5 + 0.1).astype(np.float32)
+    with h5py.File(path, "w") as f:
+        f["t1_fields/velocity"] = vel
+        f["t0_fields/density"] = dens
+    means = {"velocity": [0.3123456789, -0.1987654321], "density": 0.1000000123}
+    stds = {"velocity": [3.7123456789, 2.9], "density": 0.000001}
+    stats = tmp_path / "stats.yaml"
+    stats.write_text("mean:\n" + "".join(f"  {k}: {v}\n" for k, v in means.items())
+                     + "std:\n" + "".join(f"  {k}: {v}\n" for k, v in stds.items()))
+    spec = stoker.hdf5(
+        str(path),
+        fields={"v": "t1_fields/velocity", "d": "t0_fields/density"},
+        transforms={"v": [{"normalize": {"stats": str(stats), "key": "velocity"}}],
+                    "d": [{"normalize": {"stats": str(stats), "key": "density"}}]},
+    )
+    d = start_daemon()
+    loader = stoker.Loader(spec, batch_size=2, shuffle=False, socket=d.socket)
+    batch = next(iter(loader))
+    got_v, got_d = batch["v"].copy(), batch["d"].copy()
+    loader.close()
+
+    def well(x: np.ndarray, field: str) -> np.ndarray:
+        mean = torch.as_tensor(means[field])
+        std = torch.clip(torch.as_tensor(stds[field]), min=1e-4)
+        return ((torch.from_numpy(x) - mean) / std).numpy()
+
+    np.testing.assert_array_equal(got_v, well(vel, "velocity"))
+    np.testing.assert_array_equal(got_d, well(dens, "density"))
+    assert np.abs(got_d).max() < 1.0, "std 1e-6 raised to 1e-4, not dividing by 1e-6"
 
 
 def test_time_only_fields_deliver_the_window_steps_like_h5py(start_daemon, stoker, tmp_path: Path) -> None:

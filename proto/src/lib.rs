@@ -30,7 +30,7 @@ pub use message::{
 pub use steps::{step_from_json, step_names};
 
 /// Version of the wire protocol; bumped on any incompatible change.
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// Longest path a Unix socket may be bound or reached at (`sun_path` holds
 /// 108 bytes with its terminating NUL).

@@ -334,6 +334,11 @@ pub enum TransformDef {
         /// The entry of `stats` to use (default: the field's name).
         #[serde(default)]
         key: Option<String>,
+        /// Standard deviations below this are raised to it before dividing
+        /// (`WellDataset`'s clip). Default: 1e-4 with `stats`, as `WellDataset`;
+        /// none with `mean`/`std` given, as torchvision's `Normalize`.
+        #[serde(default)]
+        min_std: Option<f32>,
     },
     /// `[h, w, c]` → `[c, h, w]`: the last axis moves to the front.
     Chw,

@@ -67,14 +67,26 @@ mod tests {
         let stats = parse(json!({"normalize": {"stats": "/s.yaml", "key": "v"}}));
         assert_eq!(
             stats,
-            TransformDef::Normalize { mean: vec![], std: vec![], stats: Some("/s.yaml".into()), key: Some("v".into()) }
+            TransformDef::Normalize {
+                mean: vec![],
+                std: vec![],
+                stats: Some("/s.yaml".into()),
+                key: Some("v".into()),
+                min_std: None,
+            }
         );
     }
 
     #[test]
     fn normalize_takes_one_number_or_a_list_and_the_wire_keeps_the_list() {
         let parse = |v: Value| step_from_json(&v);
-        let norm = |mean: Vec<f32>, std: Vec<f32>| TransformDef::Normalize { mean, std, stats: None, key: None };
+        let norm = |mean: Vec<f32>, std: Vec<f32>| TransformDef::Normalize {
+            mean,
+            std,
+            stats: None,
+            key: None,
+            min_std: None,
+        };
         assert_eq!(parse(json!({"normalize": {"mean": 0.5, "std": 2}})).unwrap(), norm(vec![0.5], vec![2.0]));
         let list = parse(json!({"normalize": {"mean": [1, 2.5, 3], "std": [0.5, 1, 2]}})).unwrap();
         assert_eq!(list, norm(vec![1.0, 2.5, 3.0], vec![0.5, 1.0, 2.0]));

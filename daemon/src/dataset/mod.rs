@@ -593,7 +593,7 @@ pub fn load_stats<'a>(
     use std::io::Read;
     let mut ids = Vec::new();
     for step in steps {
-        let Step::NormalizeFrom { stats, key } = step else { continue };
+        let Step::NormalizeFrom { stats, key, min_std } = step else { continue };
         let bad = |message: String| SourceError::Spec { pattern: stats.clone(), message };
         let opened = fsaccess::open(Path::new(stats.as_str()), roots, Want::File)?;
         if opened.id.size > stoker_decode::transform::stats::MAX_STATS_BYTES {
@@ -610,7 +610,8 @@ pub fn load_stats<'a>(
             .read_to_string(&mut text)
             .map_err(|e| bad(format!("cannot read the statistics file: {e}")))?;
         ids.push((opened.canonical.clone(), opened.id));
-        *step = stoker_decode::transform::stats::normalize_step(&text, stats, key).map_err(|e| bad(e.to_string()))?;
+        *step = stoker_decode::transform::stats::normalize_step(&text, stats, key, *min_std)
+            .map_err(|e| bad(e.to_string()))?;
     }
     Ok(ids)
 }

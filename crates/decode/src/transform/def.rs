@@ -5,6 +5,10 @@
 
 use stoker_proto::{DType, TransformDef};
 
+/// `WellDataset`'s floor on standard deviations read from a statistics file
+/// (`ZScoreNormalization(min_value=1e-4)`).
+pub const WELL_MIN_STD: f32 = 1e-4;
+
 use super::{Filter, Step, TransformError};
 
 impl Step {
@@ -32,10 +36,11 @@ impl Step {
             },
             TransformDef::Hflip => Step::RandomHFlip,
             TransformDef::ToF32 { scale } => Step::ToF32 { scale: scale.unwrap_or(1.0) },
-            TransformDef::Normalize { mean, std, stats: None, .. } => {
-                Step::Normalize { mean: mean.clone(), std: std.clone() }
+            TransformDef::Normalize { mean, std, stats: None, min_std, .. } => {
+                let floor = min_std.unwrap_or(f32::NEG_INFINITY);
+                Step::Normalize { mean: mean.clone(), std: std.iter().map(|s| s.max(floor)).collect() }
             }
-            TransformDef::Normalize { mean, std, stats: Some(stats), key } => {
+            TransformDef::Normalize { mean, std, stats: Some(stats), key, min_std } => {
                 if !mean.is_empty() || !std.is_empty() {
                     return Err(invalid(format!(
                         "normalize takes mean and std, or stats, not both (stats = {stats:?})"
@@ -44,7 +49,11 @@ impl Step {
                 if !stats.starts_with('/') {
                     return Err(invalid(format!("normalize stats path {stats:?} must be absolute")));
                 }
-                Step::NormalizeFrom { stats: stats.clone(), key: key.clone().unwrap_or_else(|| field.to_string()) }
+                Step::NormalizeFrom {
+                    stats: stats.clone(),
+                    key: key.clone().unwrap_or_else(|| field.to_string()),
+                    min_std: min_std.unwrap_or(WELL_MIN_STD),
+                }
             }
             TransformDef::Chw => Step::ToChw,
             TransformDef::Vflip => Step::RandomVFlip,

@@ -630,16 +630,43 @@ impl Scratch {
 #[derive(Debug, Clone)]
 struct Affine {
     channels: usize,
+    /// `x * mul + add` per channel (casts and `to_f32` scales, composed).
     coefficients: Option<Vec<(f64, f64)>>,
+    /// Then, in order, in float32: normalizations and later scales.
+    post: Vec<Post>,
+}
+
+/// A float32 stage after the composed [`Affine`] coefficients.
+#[derive(Debug, Clone)]
+enum Post {
+    /// `(v - mean) / std` per channel, as PyTorch computes a normalization.
+    SubDiv(Vec<(f32, f32)>),
+    /// `v * scale`.
+    Mul(f32),
 }
 
 impl Affine {
     fn identity(channels: usize) -> Affine {
-        Affine { channels, coefficients: None }
+        Affine { channels, coefficients: None, post: Vec::new() }
     }
 
     fn is_identity(&self) -> bool {
-        self.coefficients.is_none()
+        self.coefficients.is_none() && self.post.is_empty()
+    }
+
+    /// One element of channel `ch` (already float32 through the coefficients) through the stages after them.
+    #[inline]
+    fn finish(&self, ch: usize, mut v: f32) -> f32 {
+        for stage in &self.post {
+            v = match stage {
+                Post::SubDiv(params) => {
+                    let (m, s) = params[ch];
+                    (v - m) / s
+                }
+                Post::Mul(k) => v * k,
+            };
+        }
+        v
     }
 
     fn coefficients(&mut self) -> &mut Vec<(f64, f64)> {
@@ -648,18 +675,23 @@ impl Affine {
     }
 
     fn then_scale(&mut self, scale: f32) {
+        if !self.post.is_empty() {
+            self.post.push(Post::Mul(scale));
+            return;
+        }
         for (mul, add) in self.coefficients() {
             *mul *= f64::from(scale);
             *add *= f64::from(scale);
         }
     }
 
+    /// `(v - mean) / std` in float32 on what came before (not folded into
+    /// the coefficients: folding rounds differently from PyTorch).
     fn then_normalize(&mut self, mean: &[f32], std: &[f32]) {
-        for (ch, (mul, add)) in self.coefficients().iter_mut().enumerate() {
-            let (m, s) = if mean.len() == 1 { (mean[0], std[0]) } else { (mean[ch], std[ch]) };
-            *mul /= f64::from(s);
-            *add = (*add - f64::from(m)) / f64::from(s);
-        }
+        let channels = self.coefficients().len();
+        let params =
+            (0..channels).map(|ch| if mean.len() == 1 { (mean[0], std[0]) } else { (mean[ch], std[ch]) }).collect();
+        self.post.push(Post::SubDiv(params));
     }
 }
 
@@ -722,14 +754,17 @@ fn write_out(src: &[u8], view: &View, affine: &Affine, chw: bool, dst: &mut [u8]
             if view.dtype == DType::U8 {
                 let tables: Vec<[f32; 256]> = coefficients
                     .iter()
-                    .map(|&(mul, add)| std::array::from_fn(|v| f32::from(v as u8).mul_add(mul, add)))
+                    .enumerate()
+                    .map(|(ch, &(mul, add))| {
+                        std::array::from_fn(|v| affine.finish(ch, f32::from(v as u8).mul_add(mul, add)))
+                    })
                     .collect();
                 affine_rows(view, chw, dst, row, |ch, e| tables[ch][e[0] as usize]);
             } else {
                 let read = reader(view.dtype);
                 affine_rows(view, chw, dst, row, |ch, e| {
                     let (mul, add) = coefficients[ch];
-                    read(e).mul_add(mul, add)
+                    affine.finish(ch, read(e).mul_add(mul, add))
                 });
             }
         }

@@ -107,8 +107,9 @@ pub enum ValuesProblem {
 
 /// The `normalize` step for entry `key` of the statistics file `text`
 /// (`path` names it in errors): one value normalizes every element, a list
-/// the last axis, a nested list the trailing axes of its shape.
-pub fn normalize_step(text: &str, path: &str, key: &str) -> Result<Step, StatsError> {
+/// the last axis, a nested list the trailing axes of its shape. Standard
+/// deviations below `min_std` are raised to it (`WellDataset`'s clip).
+pub fn normalize_step(text: &str, path: &str, key: &str, min_std: f32) -> Result<Step, StatsError> {
     check_depth(text, path)?;
     let docs = Yaml::load_from_str(text).map_err(|error| StatsError::NotYaml { path: path.to_string(), error })?;
     let Some(doc) = docs.first() else { return Err(StatsError::Empty { path: path.to_string() }) };
@@ -132,7 +133,10 @@ pub fn normalize_step(text: &str, path: &str, key: &str) -> Result<Step, StatsEr
         Ok((values, dims))
     };
     let (mean, mean_dims) = entry("mean")?;
-    let (std, std_dims) = entry("std")?;
+    let (mut std, std_dims) = entry("std")?;
+    for s in &mut std {
+        *s = s.max(min_std);
+    }
     if mean_dims != std_dims {
         return Err(StatsError::ShapeMismatch {
             path: path.to_string(),
@@ -223,29 +227,44 @@ std:
 ";
 
     #[test]
-    fn reads_the_wells_layout() {
-        assert_eq!(normalize_step(WELL, "s", "density").unwrap(), Step::Normalize { mean: vec![1.0], std: vec![2.0] });
+    fn small_standard_deviations_are_raised_to_the_floor() {
+        let text = "mean: {a: [1, 2]}\nstd: {a: [0.000001, 3]}";
         assert_eq!(
-            normalize_step(WELL, "s", "velocity").unwrap(),
+            normalize_step(text, "s", "a", 1e-4).unwrap(),
+            Step::Normalize { mean: vec![1.0, 2.0], std: vec![1e-4, 3.0] }
+        );
+    }
+
+    #[test]
+    fn reads_the_wells_layout() {
+        assert_eq!(
+            normalize_step(WELL, "s", "density", 0.0).unwrap(),
+            Step::Normalize { mean: vec![1.0], std: vec![2.0] }
+        );
+        assert_eq!(
+            normalize_step(WELL, "s", "velocity", 0.0).unwrap(),
             Step::Normalize { mean: vec![0.1, -0.2], std: vec![0.5, 0.25] }
         );
         assert_eq!(
-            normalize_step(WELL, "s", "stress").unwrap(),
+            normalize_step(WELL, "s", "stress", 0.0).unwrap(),
             Step::NormalizeTrailing { mean: vec![1.0, 2.0, 3.0, 4.0], std: vec![1.0, 1.0, 2.0, 2.0], dims: vec![2, 2] }
         );
     }
 
     #[test]
     fn names_what_is_missing() {
-        let err = normalize_step(WELL, "/d/stats.yaml", "pressure").unwrap_err().to_string();
+        let err = normalize_step(WELL, "/d/stats.yaml", "pressure", 0.0).unwrap_err().to_string();
         assert!(err.contains("/d/stats.yaml") && err.contains("pressure") && err.contains("velocity"), "{err}");
-        assert!(normalize_step("mean: {a: 1}", "s", "a").unwrap_err().to_string().contains("\"std\""));
+        assert!(normalize_step("mean: {a: 1}", "s", "a", 0.0).unwrap_err().to_string().contains("\"std\""));
         assert!(matches!(
-            normalize_step("mean: {a: [[1, 2], [3]]}\nstd: {a: 1}", "s", "a"),
+            normalize_step("mean: {a: [[1, 2], [3]]}\nstd: {a: 1}", "s", "a", 0.0),
             Err(StatsError::Values { problem: ValuesProblem::NotRectangular, .. })
         ));
         assert!(
-            normalize_step("mean: {a: x}\nstd: {a: 1}", "s", "a").unwrap_err().to_string().contains("not a number")
+            normalize_step("mean: {a: x}\nstd: {a: 1}", "s", "a", 0.0)
+                .unwrap_err()
+                .to_string()
+                .contains("not a number")
         );
     }
 
@@ -262,7 +281,8 @@ std:
         let errors = std::thread::Builder::new()
             .stack_size(2 << 20)
             .spawn(move || {
-                [block, flow, bomb.to_string()].map(|t| normalize_step(&t, "/s.yaml", "x").unwrap_err().to_string())
+                [block, flow, bomb.to_string()]
+                    .map(|t| normalize_step(&t, "/s.yaml", "x", 0.0).unwrap_err().to_string())
             })
             .unwrap()
             .join()
@@ -272,6 +292,6 @@ std:
         assert!(errors[2].contains("/s.yaml"), "{}", errors[2]);
         // Tensor fields a few lists deep still load.
         let tensor = "mean: {x: [[[1, 2]], [[3, 4]]]}\nstd: {x: [[[1, 1]], [[2, 2]]]}\n";
-        assert!(matches!(normalize_step(tensor, "s", "x"), Ok(Step::NormalizeTrailing { .. })));
+        assert!(matches!(normalize_step(tensor, "s", "x", 0.0), Ok(Step::NormalizeTrailing { .. })));
     }
 }

@@ -87,6 +87,8 @@ pub enum Step {
         stats: String,
         /// Its entry.
         key: String,
+        /// Standard deviations below this are raised to it.
+        min_std: f32,
     },
 }
 
@@ -122,7 +124,7 @@ impl std::hash::Hash for Step {
             Step::Cast { dtype } => dtype.hash(h),
             Step::Permute { axes } => axes.hash(h),
             Step::Downsample { factor, mean } => (factor, mean).hash(h),
-            Step::NormalizeFrom { stats, key } => (stats, key).hash(h),
+            Step::NormalizeFrom { stats, key, min_std } => (stats, key, min_std.to_bits()).hash(h),
             Step::RandomHFlip | Step::ToChw | Step::RandomVFlip | Step::RandomRot90 => {}
         }
     }
@@ -172,7 +174,7 @@ impl Step {
             Step::Downsample { factor, mean } => {
                 format!("downsample by {factor} ({})", if *mean { "mean" } else { "stride" })
             }
-            Step::NormalizeFrom { stats, key } => format!("normalize with {key:?} of {stats}"),
+            Step::NormalizeFrom { stats, key, .. } => format!("normalize with {key:?} of {stats}"),
         }
     }
 

@@ -506,7 +506,7 @@ fn write_out_by_element(src: &[u8], view: &View, affine: &Affine, chw: bool, dst
                     }
                     Some(coefficients) => {
                         let (mul, add) = coefficients[ch];
-                        let value = read(&src[from..from + size]).mul_add(mul as f32, add as f32);
+                        let value = affine.finish(ch, read(&src[from..from + size]).mul_add(mul as f32, add as f32));
                         let to = dst_index(y, x, ch) * 4;
                         dst[to..to + 4].copy_from_slice(&value.to_ne_bytes());
                     }

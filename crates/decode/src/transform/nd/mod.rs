@@ -117,9 +117,9 @@ struct NdRun {
     random: u64,
 }
 
-/// `(1 / std, -mean / std)` per entry: `normalize` as `x * mul + add`.
+/// `(mean, std)` per entry, for `normalize` as `(x - mean) / std` in float32.
 fn normalize_coefficients(mean: &[f32], std: &[f32]) -> Vec<(f64, f64)> {
-    mean.iter().zip(std).map(|(&m, &s)| (1.0 / f64::from(s), -f64::from(m) / f64::from(s))).collect()
+    mean.iter().zip(std).map(|(&m, &s)| (f64::from(m), f64::from(s))).collect()
 }
 
 impl Chain {
@@ -367,7 +367,7 @@ impl Chain {
             }
             Step::ToF32 { scale } => {
                 let s = f64::from(*scale);
-                run.ops.push(Op::Affine { ids: vec![], dims: vec![], coefficients: vec![(s, 0.0)] });
+                run.ops.push(Op::Affine { ids: vec![], dims: vec![], coefficients: vec![(s, 0.0)], sub_div: false });
                 run.converted = DType::F32;
             }
             Step::Cast { dtype } => {
@@ -381,12 +381,17 @@ impl Chain {
                 } else {
                     (vec![ids[ids.len() - 1]], vec![mean.len() as u64])
                 };
-                run.ops.push(Op::Affine { ids, dims, coefficients: normalize_coefficients(mean, std) });
+                run.ops.push(Op::Affine { ids, dims, coefficients: normalize_coefficients(mean, std), sub_div: true });
                 run.converted = DType::F32;
             }
             Step::NormalizeTrailing { mean, std, dims } => {
                 let ids = run.view.ids[run.view.ids.len() - dims.len()..].to_vec();
-                run.ops.push(Op::Affine { ids, dims: dims.clone(), coefficients: normalize_coefficients(mean, std) });
+                run.ops.push(Op::Affine {
+                    ids,
+                    dims: dims.clone(),
+                    coefficients: normalize_coefficients(mean, std),
+                    sub_div: true,
+                });
                 run.converted = DType::F32;
             }
             Step::Permute { axes } => {
@@ -536,9 +541,13 @@ mod tests {
         let mut view = NdView::contiguous(Backing::Input, shape, vec![0, 1, 2, 3], DType::F32);
         view.flip(2);
         view.permute(&[0, 3, 1, 2]);
-        let affine =
-            Op::Affine { ids: vec![3], dims: vec![2], coefficients: vec![(1.0 / 1.5, -0.1 / 1.5), (2.0, 0.4)] };
-        for ops in [vec![], vec![affine]] {
+        let affine = |sub_div| Op::Affine {
+            ids: vec![3],
+            dims: vec![2],
+            coefficients: vec![(1.0 / 1.5, -0.1 / 1.5), (2.0, 0.4)],
+            sub_div,
+        };
+        for ops in [vec![], vec![affine(false)], vec![affine(true)]] {
             let lookups: Vec<Vec<(usize, u64)>> = match ops.first() {
                 Some(Op::Affine { .. }) => vec![vec![(1, 1)]], // axis id 3 sits at position 1 after the permute
                 _ => vec![],
@@ -559,11 +568,12 @@ mod tests {
         let shape = vec![5u64, 4, 3];
         let n: u64 = shape.iter().product();
         let src: Vec<u8> = (0..n).map(|i| (i * 37 % 256) as u8).collect();
-        let scale = Op::Affine { ids: vec![], dims: vec![], coefficients: vec![(1.0 / 255.0, 0.0)] };
+        let scale = Op::Affine { ids: vec![], dims: vec![], coefficients: vec![(1.0 / 255.0, 0.0)], sub_div: false };
         let normalize = Op::Affine {
             ids: vec![2],
             dims: vec![3],
-            coefficients: vec![(1.0 / 0.229, -0.485 / 0.229), (1.0 / 0.224, -0.456 / 0.224), (0.5, 0.25)],
+            coefficients: vec![(0.485, 0.229), (0.456, 0.224), (-0.5, 2.0)],
+            sub_div: true,
         };
         for dtype in [DType::U8, DType::I8, DType::Bool] {
             let mut view = NdView::contiguous(Backing::Input, shape.clone(), vec![0, 1, 2], dtype);

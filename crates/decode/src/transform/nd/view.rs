@@ -95,12 +95,22 @@ pub(super) fn write(dtype: DType, v: Num, out: &mut [u8]) {
 pub(super) enum Op {
     /// `x * mul + add` as float32; the coefficients are indexed by the
     /// elements' coordinates along `ids` (data axes, see [`NdView::ids`]).
+    /// With `sub_div` the pairs are `(mean, std)` and the element becomes
+    /// `(x - mean) / std` computed in float32, exactly as PyTorch (and The
+    /// Well's `WellDataset`) compute a normalization.
     Affine {
         ids: Vec<usize>,
         dims: Vec<u64>,
         coefficients: Vec<(f64, f64)>,
+        sub_div: bool,
     },
     Cast(DType),
+}
+
+/// One element through one [`Op::Affine`] pair.
+#[inline]
+pub(super) fn affine(v: f64, (a, b): (f64, f64), sub_div: bool) -> f32 {
+    if sub_div { (v as f32 - a as f32) / b as f32 } else { (v * a + b) as f32 }
 }
 
 /// A strided view: element `[i0, i1, ...]` is at `offset + Σ i_k × strides[k]`.
@@ -288,9 +298,9 @@ pub(super) fn write_tabled(
         for op in ops {
             v = match op {
                 Op::Cast(dtype) => v.cast(*dtype),
-                Op::Affine { coefficients, .. } => {
-                    let (mul, add) = coefficients[if coefficients.len() == 1 { 0 } else { set }];
-                    Num::F(f64::from((v.f64() * mul + add) as f32))
+                Op::Affine { coefficients, sub_div, .. } => {
+                    let pair = coefficients[if coefficients.len() == 1 { 0 } else { set }];
+                    Num::F(f64::from(affine(v.f64(), pair, *sub_div)))
                 }
             };
         }
@@ -354,10 +364,9 @@ pub(super) fn write_each(
         for (op, lookup) in ops.iter().zip(lookups) {
             v = match op {
                 Op::Cast(dtype) => v.cast(*dtype),
-                Op::Affine { coefficients, .. } => {
+                Op::Affine { coefficients, sub_div, .. } => {
                     let i = lookup.iter().map(|&(pos, m)| index[pos] * m).sum::<u64>() as usize;
-                    let (mul, add) = coefficients[i];
-                    Num::F(f64::from((v.f64() * mul + add) as f32))
+                    Num::F(f64::from(affine(v.f64(), coefficients[i], *sub_div)))
                 }
             };
         }
@@ -383,10 +392,10 @@ pub(super) fn write_rows(
     if rank == 0 || view.shape.contains(&0) {
         return false;
     }
-    let (coefficients, lookup) = match (ops, lookups) {
-        ([], _) if out == view.dtype => (None, &[][..]),
-        ([Op::Affine { coefficients, .. }], [lookup]) if view.dtype == DType::F32 && out == DType::F32 => {
-            (Some(coefficients.as_slice()), lookup.as_slice())
+    let (coefficients, lookup, sub_div) = match (ops, lookups) {
+        ([], _) if out == view.dtype => (None, &[][..], false),
+        ([Op::Affine { coefficients, sub_div, .. }], [lookup]) if view.dtype == DType::F32 && out == DType::F32 => {
+            (Some(coefficients.as_slice()), lookup.as_slice(), *sub_div)
         }
         _ => return false,
     };
@@ -412,8 +421,8 @@ pub(super) fn write_rows(
                 for (k, d) in row.chunks_exact_mut(4).enumerate() {
                     let from = element(k);
                     let v = f32::from_ne_bytes(src[from..from + 4].try_into().expect("four bytes"));
-                    let (mul, add) = coefficients[(base + k as u64 * m_last) as usize];
-                    d.copy_from_slice(&((f64::from(v) * mul + add) as f32).to_ne_bytes());
+                    let pair = coefficients[(base + k as u64 * m_last) as usize];
+                    d.copy_from_slice(&affine(f64::from(v), pair, sub_div).to_ne_bytes());
                 }
             }
         }
