@@ -266,6 +266,49 @@ transforms.y = [{{ normalize = {{ mean = 0.5, std = 0.25 }} }}]
         np.testing.assert_allclose(r["y"], (y[i] - 0.5) / 0.25, rtol=1e-6)
 
 
+def test_the_config_speaks_pythons_transform_language(
+    stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Issue 24, item 4: `{ random_crop = 48 }`, `"to_f32"`, `{ cast =
+    "float32" }` and `{ downsample = 2 }` worked from Python and, in a
+    config, failed with "invalid type: integer `48`, expected struct
+    variant". The config now takes every form Python takes (one parser), and
+    serves what Python's spelling serves."""
+    rng = np.random.default_rng(2)
+    x = rng.integers(0, 255, size=(6, 8, 8, 3), dtype=np.uint8)
+    _write(tmp_path / "c.h5", x=x, idx=np.arange(6))
+    steps = '[{ random_crop = 6 }, { downsample = 2 }, "to_f32", { cast = "float32" }, "chw"]'
+    extra = f"""
+[datasets.c]
+format = "hdf5"
+files = "{tmp_path / 'c.h5'}"
+fields = {{ x = "x", idx = "idx" }}
+transforms.x = {steps}
+"""
+    config = tmp_path / "c.toml"
+    config.write_text(f"[server]\nallowed_roots = []\n{extra}")
+    import subprocess
+
+    from conftest import stoker_bin
+
+    res = subprocess.run([str(stoker_bin()), "validate", str(config)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    d = start_daemon(extra=extra)
+    named = stoker.Loader("c", batch_size=3, seed=5, socket=d.socket)
+    python_steps = [{"random_crop": 6}, {"downsample": 2}, "to_f32", {"cast": "float32"}, "chw"]
+    spec = stoker.hdf5(str(tmp_path / "c.h5"), fields={"x": "x", "idx": "idx"}, transforms={"x": python_steps})
+    adhoc = stoker.Loader(spec, batch_size=3, seed=5, socket=d.socket)
+    got, want = _by_index(named), _by_index(adhoc)
+    assert sorted(got) == list(range(6))
+    for i in got:
+        assert got[i]["x"].shape == (3, 3, 3)
+        np.testing.assert_array_equal(got[i]["x"], want[i]["x"])
+    # A misspelt step is named with the steps there are, and its line.
+    config.write_text(f"[server]\nallowed_roots = []\n{extra.replace('random_crop', 'random_crap')}")
+    res = subprocess.run([str(stoker_bin()), "validate", str(config)], capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and "random_crap" in res.stderr and "random_crop" in res.stderr, res.stderr
+
+
 def test_normalize_takes_one_number_for_mean_and_std(
     stoker: Any, start_daemon: Callable[..., Any], tmp_path: Path
 ) -> None:

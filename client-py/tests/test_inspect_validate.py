@@ -358,7 +358,7 @@ def test_validate_toml_error_names_its_line(tmp_path: Path) -> None:
     config.write_text("[ring]\ndepth = 4\n\n[limits\nmax_batch_size = 2\n")
     res = validate(config)
     assert res.returncode != 0
-    assert "line 4" in res.stderr, res.stderr
+    assert "syntax.toml:4:" in res.stderr or "line 4" in res.stderr, res.stderr
 
 
 def test_inspect_walks_each_group_once_through_hard_link_cycles(tmp_path: Path) -> None:
@@ -485,3 +485,21 @@ def test_inspect_suggests_the_shards_of_the_inspected_name_only(tmp_path: Path) 
                          timeout=SUBPROCESS_TIMEOUT_S)
     assert res.returncode == 0, res.stderr
     assert "train_000: hdf5, 2 files, 8 samples" in res.stdout, res.stdout
+
+
+def test_validate_lists_every_bad_table_with_did_you_mean(tmp_path: Path) -> None:
+    """Issue 24, item 4: `validate` stopped at the first table serde could
+    not read, and a misspelt `formt =` said "missing field `format`" without
+    naming `formt`. Every section and dataset table is now read on its own."""
+    config = tmp_path / "bad.toml"
+    config.write_text(
+        "[ring]\ndepht = 4\n\n"
+        '[datasets.a]\nformt = "hdf5"\nfiles = "/x/*.h5"\n\n'
+        '[datasets.b]\nformat = "hdf5"\nfiles = "/y/*.h5"\nfields = { x = "x" }\ntransforms.x = [{ random_crap = 4 }]\n'
+    )
+    res = validate(config)
+    assert res.returncode != 0
+    assert "3 errors" in res.stderr, res.stderr
+    assert "bad.toml:2:" in res.stderr and "did you mean `depth`" in res.stderr, res.stderr
+    assert "bad.toml:4:" in res.stderr and "the table has `formt`: did you mean `format`" in res.stderr, res.stderr
+    assert "bad.toml:12:" in res.stderr and "random_crap" in res.stderr, res.stderr

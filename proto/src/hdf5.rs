@@ -42,8 +42,9 @@ pub struct Hdf5Dataset {
     /// `dimensions/time`): each sample gets its window's steps of them.
     #[serde(default)]
     pub time_only: Vec<String>,
-    /// Field name → transform steps run in the daemon (the steps of an LMDB field's `transforms`).
-    #[serde(default)]
+    /// Field name → transform steps run in the daemon (the steps of an LMDB
+    /// field's `transforms`), in any form Python takes (`{ random_crop = 48 }`).
+    #[serde(default, deserialize_with = "crate::steps::field_steps_any_form")]
     pub transforms: BTreeMap<String, Vec<TransformDef>>,
     /// Field name → `{ with = "other", scale = 1 }`: draw random crops and flips with field `other`.
     #[serde(default)]

@@ -257,8 +257,8 @@ pub struct LmdbFieldDef {
     /// For `raw`: the value's shape.
     #[serde(default)]
     pub shape: Option<Vec<u64>>,
-    /// Transforms applied after decoding, in order.
-    #[serde(default)]
+    /// Transforms applied after decoding, in order, in any form Python takes (`{ random_crop = 48 }`).
+    #[serde(default, deserialize_with = "crate::steps::steps_any_form")]
     pub transforms: Vec<TransformDef>,
     /// Draw random crops and flips together with another field: `(field, size ratio)`.
     #[serde(default)]

@@ -33,8 +33,47 @@ pub fn step_from_json(step: &Value) -> Result<TransformDef, String> {
         }
         other => other.clone(),
     };
-    serde_json::from_value(expanded)
-        .map_err(|e| format!("transform {step}: {e} (the steps are {})", step_names().join(", ")))
+    serde_json::from_value(expanded).map_err(|e| {
+        let e = e.to_string();
+        if e.contains("expected one of") {
+            format!("transform {step}: {e}")
+        } else {
+            format!("transform {step}: {e} (the steps are {})", step_names().join(", "))
+        }
+    })
+}
+
+/// A list of steps in any of the forms [`step_from_json`] takes, from a
+/// human-readable format (the config's TOML, JSON); the wire's bincode keeps
+/// [`TransformDef`]'s own encoding. For `#[serde(deserialize_with)]`: the
+/// config and Python then speak one transform language.
+pub fn steps_any_form<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Vec<TransformDef>, D::Error> {
+    use serde::Deserialize;
+    if !deserializer.is_human_readable() {
+        return Vec::<TransformDef>::deserialize(deserializer);
+    }
+    let items = Vec::<Value>::deserialize(deserializer)?;
+    items.iter().map(|step| step_from_json(step).map_err(serde::de::Error::custom)).collect()
+}
+
+/// [`steps_any_form`] for a map of field name → steps.
+pub fn field_steps_any_form<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<std::collections::BTreeMap<String, Vec<TransformDef>>, D::Error> {
+    use serde::Deserialize;
+    if !deserializer.is_human_readable() {
+        return std::collections::BTreeMap::<String, Vec<TransformDef>>::deserialize(deserializer);
+    }
+    let fields = std::collections::BTreeMap::<String, Vec<Value>>::deserialize(deserializer)?;
+    fields
+        .into_iter()
+        .map(|(field, steps)| {
+            let parsed = steps.iter().map(step_from_json).collect::<Result<Vec<_>, _>>();
+            parsed
+                .map(|steps| (field.clone(), steps))
+                .map_err(|e| serde::de::Error::custom(format!("field {field:?}: {e}")))
+        })
+        .collect()
 }
 
 /// The step names, as serde spells [`TransformDef`]'s variants.
