@@ -136,13 +136,19 @@ pub fn unreclaimable(cgroup: &Cgroup) -> Option<u64> {
 /// Share of the limit past which the caches shed entries.
 const HIGH_WATER: f64 = 0.85;
 
-/// Watches memory until `daemon` is gone (see the module's doc): sheds cache
-/// entries under pressure, drops them after `idle_release` without a stream.
-pub fn watch(daemon: std::sync::Weak<crate::server::Daemon>, limit: Option<Limit>, idle_release: Option<Duration>) {
+/// Watches memory while `open_streams` answers (it gives `None` once the
+/// daemon is gone; see the module's doc): sheds cache entries under
+/// pressure, drops them after `idle_release` without a stream.
+pub fn watch(
+    caches: std::sync::Weak<stoker_data::cache::Caches>,
+    open_streams: impl Fn() -> Option<usize>,
+    limit: Option<Limit>,
+    idle_release: Option<Duration>,
+) {
     let mut idle_since: Option<Instant> = None;
     let mut released = false;
-    while let Some(daemon) = daemon.upgrade() {
-        let caches: Arc<stoker_data::cache::Caches> = daemon.caches().clone();
+    while let (Some(caches), Some(streams)) = (caches.upgrade(), open_streams()) {
+        let caches: Arc<stoker_data::cache::Caches> = caches;
         if let Some(Limit { bytes: limit, cgroup: Some(cgroup), .. }) = &limit
             && let Some(used) = unreclaimable(cgroup)
             && used as f64 > HIGH_WATER * *limit as f64
@@ -160,7 +166,7 @@ pub fn watch(daemon: std::sync::Weak<crate::server::Daemon>, limit: Option<Limit
             }
         }
         if let Some(after) = idle_release {
-            if daemon.stream_count() == 0 {
+            if streams == 0 {
                 let since = *idle_since.get_or_insert_with(Instant::now);
                 if !released && since.elapsed() >= after {
                     let (entries, bytes) = caches.shed(0);
@@ -175,7 +181,6 @@ pub fn watch(daemon: std::sync::Weak<crate::server::Daemon>, limit: Option<Limit
             }
         }
         drop(caches);
-        drop(daemon);
         std::thread::sleep(Duration::from_secs(1));
     }
 }

@@ -513,15 +513,18 @@ class Loader:
             if k not in ("_stream", "_info", "_pid", "_iterated", "_warned_repeat", "_generation", "_convert")
             and k != "_uploader"
         }
+        # Pickled mid-epoch, the position travels: the copy goes on where this
+        # Loader was (what its state_dict says), as after load_state_dict. An
+        # epoch iterated to its end starts over, as iter() does here.
+        info = self._info
+        batches = int(info["batches_per_epoch"]) if info is not None else None
+        if self._resume is None and batches is not None and 0 < self._step < batches:
+            state["_resume"] = self._step
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._reset_unconnected()
-        # The position travels: the next iteration goes on where the pickled
-        # Loader was (what its state_dict says), as after load_state_dict.
-        if self._resume is None and self._step > 0:
-            self._resume = self._step
         _as_iterable_dataset()
 
     def _mapping_range(self) -> Tuple[int, int]:

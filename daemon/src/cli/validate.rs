@@ -94,8 +94,8 @@ fn parse_problems(text: &str) -> Vec<(Option<usize>, String)> {
         Ok(t) => t,
         Err(e) => return vec![(e.span().map(|s| line_of(text, s.start)), e.message().to_string())],
     };
-    fn check<T: DeserializeOwned>(value: &toml::Value) -> Result<(), String> {
-        T::deserialize(value.clone()).map(drop).map_err(|e| e.message().to_string())
+    fn check<T: DeserializeOwned>(value: &toml::Value) -> Result<(), toml::de::Error> {
+        T::deserialize(value.clone()).map(drop)
     }
     let header = |name: &str| {
         let want = format!("[{name}]");
@@ -113,7 +113,8 @@ fn parse_problems(text: &str) -> Vec<(Option<usize>, String)> {
             "metrics" => check::<MetricsConfig>(value),
             "datasets" => {
                 for (name, ds) in value.as_table().into_iter().flatten() {
-                    if let Err(message) = check::<DatasetConfig>(ds) {
+                    if let Err(e) = check::<DatasetConfig>(ds) {
+                        let message = e.message().to_string();
                         let known: Vec<String> = ds.as_table().map(|t| t.keys().cloned().collect()).unwrap_or_default();
                         let message = explain(&message, &known);
                         let start = header(&format!("datasets.{name}"));
@@ -123,12 +124,17 @@ fn parse_problems(text: &str) -> Vec<(Option<usize>, String)> {
                 }
                 Ok(())
             }
-            other => Err(format!(
-                "unknown section [{other}] (the sections are server, workers, ring, limits, cache, hdf5, metrics, \
-                 datasets)"
-            )),
+            other => {
+                let message = format!(
+                    "unknown section [{other}] (the sections are server, workers, ring, limits, cache, hdf5, \
+                     metrics, datasets)"
+                );
+                problems.push((header(other), message));
+                Ok(())
+            }
         };
-        if let Err(message) = result {
+        if let Err(e) = result {
+            let message = e.message().to_string();
             let known: Vec<String> = value.as_table().map(|t| t.keys().cloned().collect()).unwrap_or_default();
             let message = explain(&message, &known);
             problems.push((key_line(text, &message).or_else(|| header(section)), format!("[{section}] {message}")));

@@ -151,9 +151,11 @@ impl Daemon {
             load,
         });
         let weak = Arc::downgrade(&daemon);
+        let caches = Arc::downgrade(&daemon.caches);
+        let open_streams = move || weak.upgrade().map(|d| d.stream_count());
         let watcher = std::thread::Builder::new()
             .name("stoker-memory".into())
-            .spawn(move || crate::memory::watch(weak, limit, idle_release));
+            .spawn(move || crate::memory::watch(caches, open_streams, limit, idle_release));
         if let Err(e) = watcher {
             tracing::warn!(error = %e, "cannot start the memory watcher: caches are not shed under memory pressure");
         }
