@@ -6,6 +6,7 @@ urllib, parsed with the official parsers of the Prometheus Python client
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import time
@@ -95,7 +96,9 @@ def test_metrics_are_served_and_move(start_daemon: Callable[..., Daemon], stoker
     assert {name: families[name].type for name in expected if name in families} == expected
 
     m = samples(text)
-    stream = {"dataset": "train", "rank": "0"}
+    # Stream series carry the client's job ($SLURM_JOB_ID, "-" without) and
+    # uid (issue 24, item 9: which Slurm job is stalled?).
+    stream = {"dataset": "train", "rank": "0", "job": os.environ.get("SLURM_JOB_ID") or "-", "uid": str(os.getuid())}
     (stream_id,) = {dict(k[1])["stream"] for k in m if k[0] == "stoker_stream_batches_total"}
     stream["stream"] = stream_id
     assert value(m, "stoker_build_info", version=daemon.status()["version"]) == 1

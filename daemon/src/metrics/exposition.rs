@@ -87,7 +87,10 @@ impl Metrics {
             .iter()
             .map(|s| {
                 let st = s.status();
+                let (uid, job) = scrape.client_jobs.get(&st.client_id).cloned().unwrap_or((u32::MAX, None));
                 StreamRow {
+                    uid,
+                    job: job.unwrap_or_else(|| "-".into()),
                     id: st.id,
                     dataset: st.dataset,
                     rank: st.rank,
@@ -117,6 +120,10 @@ impl Metrics {
 /// One stream's values at scrape time.
 #[derive(Debug)]
 struct StreamRow {
+    /// Its client's uid.
+    uid: u32,
+    /// Its client's job (`$SLURM_JOB_ID` as the client sent it), `-` if none.
+    job: String,
     id: u64,
     dataset: String,
     rank: u64,
@@ -391,11 +398,12 @@ impl Snapshot {
         Ok(())
     }
 
-    /// The families labelled by stream (with its dataset and rank).
+    /// The families labelled by stream (with its dataset, rank, job and
+    /// uid: `sum by (job)` follows one Slurm job across its streams).
     fn encode_streams(&self, e: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
         use MetricType::{Counter, Gauge};
         use Value::{Float, Int};
-        let streams: Vec<([(&str, String); 3], &StreamRow)> = self
+        let streams: Vec<([(&str, String); 5], &StreamRow)> = self
             .streams
             .iter()
             .map(|s| {
@@ -404,6 +412,8 @@ impl Snapshot {
                         ("stream", s.id.to_string()),
                         ("dataset", dataset_label(&s.dataset)),
                         ("rank", s.rank.to_string()),
+                        ("job", s.job.clone()),
+                        ("uid", s.uid.to_string()),
                     ],
                     s,
                 )

@@ -43,6 +43,8 @@ pub struct Scrape {
     pub sample_cache: CacheStats,
     /// Connected clients.
     pub clients: u64,
+    /// Per connection id: the client's uid and job, for stream labels.
+    pub client_jobs: std::collections::HashMap<u64, (u32, Option<String>)>,
     /// Threads in the worker pool.
     pub worker_threads: u64,
     /// HDF5 helper processes running, and helper deaths since start.

@@ -221,12 +221,16 @@ impl Daemon {
     /// The Prometheus (OpenMetrics text) exposition of the daemon's state, for `GET /metrics`.
     pub fn metrics_text(&self) -> String {
         let streams: Vec<Arc<Stream>> = lock(&self.streams).values().cloned().collect();
+        // One lock of the clients, released before rendering.
+        let client_jobs: HashMap<u64, (u32, Option<String>)> =
+            lock(&self.clients).iter().map(|(id, c)| (*id, (c.uid, c.job.clone()))).collect();
         self.metrics.render(crate::metrics::Scrape {
             streams,
             sources: self.datasets.sources(),
             cache: self.caches.chunks.stats(),
             sample_cache: self.caches.samples.stats(),
-            clients: lock(&self.clients).len() as u64,
+            clients: client_jobs.len() as u64,
+            client_jobs,
             worker_threads: self.pool.current_num_threads() as u64,
             hdf5_helpers: {
                 let (running, deaths) = self.datasets.helper_counts();
