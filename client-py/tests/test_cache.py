@@ -147,6 +147,10 @@ def test_a_second_job_starts_warm_and_warm_drop_work(
     dropped = json.loads(d.cli("cache", "drop", "photos", "--json").stdout)
     assert dropped["entries"] == N_IMAGES and dropped["bytes"] == N_IMAGES * IMAGE_BYTES, dropped
     assert cache_ls(d)["samples"]["bytes"] == 0
+    # Issue 24, item 9: after a drop the dataset's hit rate starts over (it
+    # showed its old 100%) and the drop is not counted as evictions.
+    rows = sample_rows(cache_ls(d))
+    assert all(r["hits"] == 0 and r["evictions"] == 0 for r in rows), rows
     unknown = d.cli("cache", "drop", "no-such-dataset", check=False)
     assert unknown.returncode != 0 and "stoker cache ls" in unknown.stderr, unknown.stderr
     d.cli("cache", "warm", "photos")

@@ -801,10 +801,11 @@ impl<V> Cache<V> {
                 at += 1;
             }
         }
-        // A drop is not an eviction.
-        for c in inner.datasets.values_mut() {
-            if dataset.is_none() {
-                c.evictions = 0;
+        // A drop is not an eviction, and the hit rate counts from the drop
+        // on: a dataset just dropped shows no hits (not its old 100%).
+        for (d, c) in inner.datasets.iter_mut() {
+            if dataset.is_none_or(|only| only == *d) {
+                *c = Counters { bytes: c.bytes, entries: c.entries, ..Counters::default() };
             }
         }
         (entries, bytes)
@@ -876,8 +877,12 @@ mod tests {
         let per = cache.datasets();
         assert_eq!(per.len(), 1);
         assert_eq!((per[0].1.bytes, per[0].1.entries, per[0].1.evictions), (8, 2, 1));
+        assert!(cache.get(&key(0), 7).is_some());
         assert_eq!(cache.drop_dataset(Some(7)), (2, 8));
         assert_eq!(cache.stats().bytes, 0);
+        // Its counters start over: no eviction for the drop, no old hits.
+        let per = cache.datasets();
+        assert_eq!((per[0].1.hits, per[0].1.misses, per[0].1.evictions), (0, 0, 0));
     }
 
     #[test]
