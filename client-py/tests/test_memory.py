@@ -113,6 +113,8 @@ def test_a_daemon_in_a_200_mb_cgroup_warms_and_serves_a_196_mb_dataset(cgroup: C
     d = Daemon(workdir, config, command=[*cgroup.enter_and_exec(), str(stoker_bin())])
     try:
         budget_logged = "memory budget" in d.stderr() and "cgroup" in d.stderr()
+        memory = d.status().get("memory", {})
+        assert memory.get("budget_bytes") == LIMIT // 2 and "cgroup" in memory.get("source", ""), memory
         warm = subprocess.run([str(stoker_bin()), "cache", "warm", "big", "--socket", d.socket, "--json"],
                               capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
         assert warm.returncode == 0, warm.stderr + d.stderr()[-3000:]

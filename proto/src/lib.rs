@@ -24,8 +24,8 @@ pub use layout::{
 pub use message::BlockShuffle;
 pub use message::{
     BatchReady, CacheDatasetStatus, CacheReport, CacheStatus, ClientStatus, DatasetInfo, DatasetRef, DatasetSkips,
-    DatasetStatus, ErrorKind, FieldTransforms, Generation, Hdf5Sampling, LmdbDataset, LmdbFieldDef, OpenStream,
-    PairDef, Request, Rescan, Response, StatusReport, StreamInfo, StreamStatus, TransformDef, WorkerStatus,
+    DatasetStatus, ErrorKind, FieldTransforms, Generation, Hdf5Sampling, LmdbDataset, LmdbFieldDef, MemoryStatus,
+    OpenStream, PairDef, Request, Rescan, Response, StatusReport, StreamInfo, StreamStatus, TransformDef, WorkerStatus,
 };
 pub use steps::{step_from_json, step_names};
 

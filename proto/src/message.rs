@@ -605,6 +605,17 @@ pub struct StatusReport {
     pub datasets: Vec<DatasetStatus>,
     /// How busy the decode workers are.
     pub workers: WorkerStatus,
+    /// The daemon's memory budget (`[limits] max_memory_bytes`) and where it came from.
+    pub memory: MemoryStatus,
+}
+
+/// The daemon's memory budget, for `stoker status`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct MemoryStatus {
+    /// Bytes the rings and caches may take together.
+    pub budget_bytes: u64,
+    /// Where the figure came from (`half of the limit of cgroup …`, `[limits] max_memory_bytes`).
+    pub source: String,
 }
 
 /// Utilisation of the decode worker pool.

@@ -136,6 +136,9 @@ pub fn format_status(r: &StatusReport, users: &HashMap<u32, String>) -> String {
         human_duration(w.window_s),
         w.busy_s
     );
+    if r.memory.budget_bytes > 0 {
+        let _ = writeln!(out, "memory budget: {} ({})", human_bytes(r.memory.budget_bytes), r.memory.source);
+    }
     for (name, unit, c) in [("chunk cache", "chunks", &r.chunk_cache), ("sample cache", "samples", &r.sample_cache)] {
         let lookups = c.hits + c.misses;
         let _ = writeln!(
@@ -273,6 +276,10 @@ mod tests {
                 skipped: 0,
             }],
             workers: WorkerStatus { busy_s: 30.0, busy_percent: 37.5, window_s: 10.0 },
+            memory: stoker_proto::MemoryStatus {
+                budget_bytes: 100 << 20,
+                source: "half of the limit of cgroup /x".into(),
+            },
         }
     }
 
@@ -285,6 +292,7 @@ mod tests {
         }
         assert!(!text.contains("f/l/d"), "{text}");
         assert!(text.contains("38% busy over the last 10.0s"), "{text}");
+        assert!(text.contains("memory budget: 104.9 MB (half of the limit of cgroup /x)"), "{text}");
         assert!(text.contains("1.5 MB"), "{text}");
         // Columns line up: every cell ends where its header ends (numbers align right).
         let lines: Vec<&str> = text.lines().collect();

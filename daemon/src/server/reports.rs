@@ -73,6 +73,13 @@ impl Daemon {
                 .collect(),
             datasets,
             workers: self.worker_status(),
+            memory: {
+                let settings = self.settings();
+                stoker_proto::MemoryStatus {
+                    budget_bytes: settings.limits.max_memory_bytes,
+                    source: settings.memory_source.clone(),
+                }
+            },
             streams,
         }
     }
