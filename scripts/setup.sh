@@ -23,6 +23,16 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
+# promtool checks the shipped Prometheus alerting rules (client-py/tests/test_metrics.py);
+# Debian ships it in the prometheus package (the server is installed, not started).
+if ! command -v promtool >/dev/null 2>&1; then
+  echo "==> apt-get install prometheus (for promtool)"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  if ! DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; then
+    echo "warning: could not install prometheus (promtool); the rules check will be skipped" >&2
+  fi
+fi
+
 if [ ! -x .venv/bin/python ]; then
   echo "==> creating .venv"
   python3 -m venv .venv

@@ -98,7 +98,8 @@ def test_metrics_are_served_and_move(start_daemon: Callable[..., Daemon], stoker
     m = samples(text)
     # Stream series carry the client's job ($SLURM_JOB_ID, "-" without) and
     # uid (issue 24, item 9: which Slurm job is stalled?).
-    stream = {"dataset": "train", "rank": "0", "job": os.environ.get("SLURM_JOB_ID") or "-", "uid": str(os.getuid())}
+    stream = {"dataset": "train", "rank": "0", "slurm_job": os.environ.get("SLURM_JOB_ID") or "-",
+              "uid": str(os.getuid())}
     (stream_id,) = {dict(k[1])["stream"] for k in m if k[0] == "stoker_stream_batches_total"}
     stream["stream"] = stream_id
     assert value(m, "stoker_build_info", version=daemon.status()["version"]) == 1
@@ -287,3 +288,37 @@ def test_idle_connections_cannot_lock_the_scraper_out(start_daemon: Callable[...
         for s in idle:
             s.close()
     assert daemon.alive()
+
+
+def test_alert_rules_and_dashboard_name_metrics_the_daemon_exports(
+    start_daemon: Callable[..., Daemon], stoker: Any, data: H5Data
+) -> None:
+    """Issue 24, item 10: the shipped Prometheus alerting rules pass
+    `promtool check rules`, and every `stoker_*` metric named by them or by
+    the Grafana dashboard is one a real daemon exports (a renamed metric
+    would silently empty a panel or never fire an alert)."""
+    import json
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    rules = repo / "config" / "prometheus" / "stoker-alerts.yml"
+    dashboard = repo / "config" / "grafana" / "stoker-dashboard.json"
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (scripts/setup.sh installs Debian's prometheus package)")
+    res = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    exprs = re.findall(r"expr:\s*(\|[\s\S]*?(?=\n\s*for:|\n\s*labels:)|.*)", rules.read_text())
+    board = json.loads(dashboard.read_text())
+    exprs += [t["expr"] for p in board["panels"] for t in p["targets"]]
+    wanted = {m for e in exprs for m in re.findall(r"\bstoker_[a-z0-9_]+", e)}
+    assert len(wanted) >= 10, wanted
+
+    d, base = with_metrics(start_daemon, datasets={"train": data})
+    loader = stoker.Loader("train", batch_size=10, shuffle=False, socket=d.socket)
+    next(iter(loader))
+    names = {k[0] for k in samples(scrape(base)[1])}
+    loader.close()
+    assert wanted <= names, f"named but not exported: {sorted(wanted - names)}"

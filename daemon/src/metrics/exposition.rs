@@ -398,8 +398,9 @@ impl Snapshot {
         Ok(())
     }
 
-    /// The families labelled by stream (with its dataset, rank, job and
-    /// uid: `sum by (job)` follows one Slurm job across its streams).
+    /// The families labelled by stream (with its dataset, rank, Slurm job
+    /// and uid: `sum by (slurm_job)` follows one job across its streams; not
+    /// `job`, which Prometheus sets to the scrape job's name).
     fn encode_streams(&self, e: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
         use MetricType::{Counter, Gauge};
         use Value::{Float, Int};
@@ -412,7 +413,7 @@ impl Snapshot {
                         ("stream", s.id.to_string()),
                         ("dataset", dataset_label(&s.dataset)),
                         ("rank", s.rank.to_string()),
-                        ("job", s.job.clone()),
+                        ("slurm_job", s.job.clone()),
                         ("uid", s.uid.to_string()),
                     ],
                     s,
