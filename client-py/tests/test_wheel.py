@@ -98,7 +98,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     res = run(["bash", str(REPO / "scripts" / "build-wheel.sh"), str(binary)], env=env, timeout=INSTALL_TIMEOUT_S)
     wheel = Path(res.stdout.strip().splitlines()[-1])
     assert wheel.is_file() and wheel.parent == out, res.stdout
-    assert re.fullmatch(r"stoker-[\w.]+-cp\d+-cp\d+-manylinux_2_\d+_x86_64\.whl", wheel.name), wheel.name
+    # One abi3 wheel for every CPython from 3.9 on (issue 24, item 10).
+    assert re.fullmatch(r"stoker-[\w.]+-cp39-abi3-manylinux_2_\d+_x86_64\.whl", wheel.name), wheel.name
     print(f"\nwheel {wheel.name}: {wheel.stat().st_size / 2**20:.1f} MiB ({wheel.stat().st_size} bytes)")
     return wheel
 
@@ -197,6 +198,56 @@ def test_loader_from_the_wheel_reads_hdf5_byte_for_byte(venv: Venv, served: tupl
     res = run([str(venv.python), "-c", script], env=venv.env, cwd=str(tmp_path))
     n_batches = int(res.stdout.strip())
     assert n_batches == -(-data.n // 16)
+    seen: list[int] = []
+    for i in range(n_batches):
+        batch = {name: np.load(dump / f"{i:04d}-{name}.npy") for name in data.fields}
+        seen += data.check_batch(batch)
+    assert sorted(seen) == list(range(data.n))
+
+
+def other_pythons() -> list[Path]:
+    """CPython interpreters of other versions than this one (pyenv's, the
+    system's), the oldest and the newest from 3.9 on."""
+    found: dict[tuple[int, int], Path] = {}
+    candidates = list(Path.home().glob(".pyenv/versions/3.*/bin/python3")) + list(Path("/usr/bin").glob("python3.*"))
+    for exe in candidates:
+        m = re.search(r"3\.(\d+)", str(exe.parent.parent.name if ".pyenv" in str(exe) else exe.name))
+        if not m or not os.access(exe, os.X_OK):
+            continue
+        version = (3, int(m.group(1)))
+        if version >= (3, 9) and version != sys.version_info[:2]:
+            found.setdefault(version, exe)
+    if not found:
+        return []
+    versions = sorted(found)
+    return [found[v] for v in sorted({versions[0], versions[-1]})]
+
+
+@pytest.mark.parametrize("python", other_pythons(), ids=lambda p: p.name if "pyenv" not in str(p) else p.parent.parent.name)
+def test_the_abi3_wheel_serves_other_pythons(wheel: Path, served: tuple, python: Path, tmp_path: Path) -> None:
+    """The same wheel installs and reads byte for byte under the oldest and
+    the newest other CPython on this machine (3.9 and 3.13 here)."""
+    data, sock = served
+    v = Venv(tmp_path / "env")
+    run([str(python), "-m", "venv", str(v.root)], env=v.env)
+    started = time.monotonic()
+    run([str(v.python), "-m", "pip", "install", "-q", str(wheel)], env=v.env, timeout=INSTALL_TIMEOUT_S)
+    print(f"\npip install of the wheel under {python}: {time.monotonic() - started:.1f} s")
+    dump = tmp_path / "batches"
+    dump.mkdir()
+    script = textwrap.dedent(
+        f"""
+        import os, sys, numpy as np, stoker
+        assert "site-packages" in stoker.__file__, stoker.__file__
+        loader = stoker.Loader("train", batch_size=16, shuffle=False, socket={sock!r}, timeout=60)
+        for i, batch in enumerate(loader):
+            for name, arr in batch.items():
+                np.save(os.path.join({str(dump)!r}, f"{{i:04d}}-{{name}}.npy"), arr)
+        print(i + 1, sys.version_info[:2])
+        """
+    )
+    res = run([str(v.python), "-c", script], env=v.env, cwd=str(tmp_path))
+    n_batches = int(res.stdout.split()[0])
     seen: list[int] = []
     for i in range(n_batches):
         batch = {name: np.load(dump / f"{i:04d}-{name}.npy") for name in data.fields}
