@@ -19,19 +19,11 @@ pub(super) fn run(file: &Path, open_files: bool) -> anyhow::Result<ExitCode> {
         Ok(config) => config,
         Err(e) => {
             // Every problem of every table, not just the first one serde met.
-            let mut found = parse_problems(&text);
+            let found = parse_problems(&text);
             if found.is_empty() {
                 return Err(e.into());
             }
-            found.sort_by_key(|(line, _)| line.unwrap_or(usize::MAX));
-            let n = found.len();
-            eprintln!("{}: {n} {}", file.display(), if n == 1 { "error" } else { "errors" });
-            for (line, message) in found {
-                match line {
-                    Some(line) => eprintln!("  {}:{line}: {message}", file.display()),
-                    None => eprintln!("  {}: {message}", file.display()),
-                }
-            }
+            report(file, found.iter().map(|(line, message)| (*line, message.as_str())).collect());
             return Ok(ExitCode::FAILURE);
         }
     };
@@ -47,18 +39,7 @@ pub(super) fn run(file: &Path, open_files: bool) -> anyhow::Result<ExitCode> {
     let wrong: Vec<_> = problems.iter().filter_map(named).collect();
     problems.extend(files.into_iter().filter(|f| !named(f).is_some_and(|name| wrong.contains(&name))));
     if !problems.is_empty() {
-        let mut lines: Vec<(Option<usize>, &str)> =
-            problems.iter().map(|p| (p.line(&text), p.message.as_str())).collect();
-        // In the file's order; problems without a line (defaults) last.
-        lines.sort_by_key(|(line, _)| line.unwrap_or(usize::MAX));
-        let n = lines.len();
-        eprintln!("{}: {n} {}", file.display(), if n == 1 { "error" } else { "errors" });
-        for (line, message) in lines {
-            match line {
-                Some(line) => eprintln!("  {}:{line}: {message}", file.display()),
-                None => eprintln!("  {}: {message}", file.display()),
-            }
-        }
+        report(file, problems.iter().map(|p| (p.line(&text), p.message.as_str())).collect());
         return Ok(ExitCode::FAILURE);
     }
     let Some(settings) = settings else { return Ok(ExitCode::FAILURE) };
@@ -78,6 +59,20 @@ pub(super) fn run(file: &Path, open_files: bool) -> anyhow::Result<ExitCode> {
         outln!("    {name}: {summary}");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Prints `problems` of `file` to stderr, one per line with its line number,
+/// in the file's order (problems without a line, defaults, last).
+fn report(file: &Path, mut problems: Vec<(Option<usize>, &str)>) {
+    problems.sort_by_key(|(line, _)| line.unwrap_or(usize::MAX));
+    let n = problems.len();
+    eprintln!("{}: {n} {}", file.display(), if n == 1 { "error" } else { "errors" });
+    for (line, message) in problems {
+        match line {
+            Some(line) => eprintln!("  {}:{line}: {message}", file.display()),
+            None => eprintln!("  {}: {message}", file.display()),
+        }
+    }
 }
 
 /// Every problem of a config that does not deserialize, each with its line
